@@ -1,0 +1,19 @@
+"""Distil an 8B-class teacher into a ~3B student at 8K context on one H200.
+
+    python -m kdjax.main --config=configs/8k.py --config.teacher.hf_path=PATH \
+        --config.data.tokenizer=PATH --config.data.source=data.jsonl
+
+Needs: one H200 (141 GB), a Llama-3.1-8B-class Hugging Face checkpoint on disk and a jsonl/parquet
+dataset. Writes the teacher's top-100 cache once (compact layout), then trains with the fused loss.
+Prints one line per optimizer step (loss, kl, ce, tokens/s, learning rate).
+CPU variant for tests: --config=configs/8k.py:smoke
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import long_context  # noqa: E402
+
+
+def get_config(variant: str = ""):
+  return long_context.long_context(8192, "runs/8k", variant)
