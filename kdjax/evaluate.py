@@ -1,0 +1,55 @@
+"""Held-out evaluation against a teacher cache: KL to the teacher's top-k, top-1 agreement, CE.
+
+Per valid position, with p = exp(cached log-probs) over the teacher's top-k and the student's
+log q over the FULL vocabulary:
+  kl              sum_topk p (log p - log q)     (the paper's sparse objective, >= M log M)
+  top1_agreement  student argmax == teacher's top-1 id
+  ce              -log q(true next token)
+All are means over valid positions. Logits never exist beyond one chunk of positions.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from kdjax import kernels
+from kdjax.train import next_token_labels
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size"))
+def _batch_sums(params, batch, *, graphdef, chunk_size):
+  model = nnx.merge(graphdef, params)
+  hidden_BxTxD = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+  stats = kernels.position_stats(hidden_BxTxD, model.lm_head_DxV(), batch["topk_ids"],
+                                 batch["labels"], chunk_size=chunk_size)
+  logq_BxTxK = stats["topk_logits"] - stats["lse"][..., None]
+  p_BxTxK = jnp.exp(batch["topk_logprobs"])
+  kl_BxT = jnp.sum(p_BxTxK * (batch["topk_logprobs"] - logq_BxTxK), axis=-1)
+  agree_BxT = stats["argmax"] == batch["topk_ids"][..., 0]
+  ce_BxT = stats["lse"] - stats["label_logit"]
+  mask_BxT = batch["loss_mask"]
+  total = lambda x: jnp.sum(jnp.where(mask_BxT, x, 0.0))
+  return {"kl": total(kl_BxT), "top1_agreement": total(agree_BxT.astype(jnp.float32)),
+          "ce": total(ce_BxT), "positions": jnp.sum(mask_BxT.astype(jnp.float32))}
+
+
+def evaluate(model: nnx.Module, store, *, batch_size: int, max_seqs: int, chunk_size: int,
+             desc: str = "eval") -> dict:
+  """Means over the valid positions of the first `max_seqs` rows (0 = all) of a cache."""
+  graphdef, params = nnx.split(model)
+  n = store.num_seqs if max_seqs == 0 else min(max_seqs, store.num_seqs)
+  sums = {}
+  for start in tqdm(range(0, n, batch_size), desc=desc, unit="batch", leave=False):
+    rows = store.read(np.arange(start, min(start + batch_size, n)))
+    batch = {k: rows[k] for k in ("tokens", "positions", "segment_ids", "loss_mask",
+                                   "topk_ids", "topk_logprobs")}
+    batch["labels"] = next_token_labels(rows["tokens"])
+    out = _batch_sums(params, batch, graphdef=graphdef, chunk_size=chunk_size)
+    for k, v in out.items():
+      sums[k] = sums.get(k, 0.0) + float(v)
+  count = max(sums["positions"], 1.0)
+  return {"kl": sums["kl"] / count, "top1_agreement": sums["top1_agreement"] / count,
+          "ce": sums["ce"] / count, "positions": int(sums["positions"])}

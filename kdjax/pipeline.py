@@ -1,0 +1,165 @@
+"""Runs a config's stages in order; each stage skips work whose output already exists and is complete.
+
+Outputs under the workdir:
+  config.json                 the resolved config of the latest run
+  data/{train,eval}.zarr      tokenised, packed sequences (k = 0 stores); data/tokenizer.json
+  teacher/                    (stage pretrain) the teacher's checkpoints and metrics.jsonl
+  cache/{train,eval}.zarr     the teacher's top-k per position (or cache.path)
+  student/, baseline/         checkpoints and metrics.jsonl of the distilled / hard-label student
+  eval.json                   held-out metrics of every model evaluated
+"""
+import dataclasses
+import json
+import logging
+import os
+
+import ml_collections
+from flax import nnx
+
+from kdjax import cache, config, data, evaluate, teacher, tokenizer, train
+from kdjax.models import llama
+
+
+@dataclasses.dataclass(frozen=True)
+class Paths:
+  workdir: str
+  cache_dir: str
+
+  @classmethod
+  def from_config(cls, c) -> "Paths":
+    return cls(c.workdir, c.cache.path or os.path.join(c.workdir, "cache"))
+
+  def data(self, split: str) -> str:
+    return os.path.join(self.workdir, "data", f"{split}.zarr")
+
+  def cache(self, split: str) -> str:
+    return os.path.join(self.cache_dir, f"{split}.zarr")
+
+  @property
+  def tokenizer(self) -> str:
+    return os.path.join(self.workdir, "data", "tokenizer.json")
+
+  def run(self, name: str) -> str:
+    return os.path.join(self.workdir, name)
+
+
+def load_tokenizer(c, paths: Paths):
+  return tokenizer.load(c.data.tokenizer or paths.tokenizer)
+
+
+def model_config(group: ml_collections.ConfigDict, vocab_size: int) -> llama.ModelConfig:
+  cfg = llama.ModelConfig.from_config(group)
+  return dataclasses.replace(cfg, vocab_size=group.vocab_size or vocab_size)
+
+
+def new_model(group, vocab_size: int, seed: int) -> tuple[nnx.Module, llama.ModelConfig]:
+  if group.hf_path:
+    from kdjax.models import hf  # imported lazily: only runs with checkpoints need safetensors
+    return hf.load(group.hf_path, dtype=group.dtype)
+  cfg = model_config(group, vocab_size)
+  return llama.Transformer(cfg, rngs=nnx.Rngs(seed)), cfg
+
+
+def stage_data(c, paths: Paths):
+  data.build(c.data, tokenizer_path=paths.tokenizer, train_path=paths.data("train"),
+             eval_path=paths.data("eval"))
+
+
+def _fit(c, paths, name, group, opt, store, hard_labels):
+  vocab = load_tokenizer(c, paths).get_vocab_size()
+  model, cfg = new_model(group, vocab, c.seed)
+  return train.fit(name=name, model=model, model_cfg=cfg, store=store, workdir=paths.run(name),
+                   opt=opt, loss_cfg=c.loss, hard_labels=hard_labels, seed=c.seed)
+
+
+def stage_pretrain(c, paths: Paths):
+  return _fit(c, paths, "teacher", c.teacher, c.pretrain, cache.open(paths.data("train")), True)
+
+
+def load_teacher(c, paths: Paths):
+  if c.teacher.hf_path:
+    return new_model(c.teacher, 0, c.seed)[0]
+  if not os.path.isdir(paths.run("teacher")):
+    raise FileNotFoundError(
+        "no teacher: set teacher.hf_path to a Hugging Face checkpoint, or add stage 'pretrain'")
+  return stage_pretrain(c, paths)  # returns the finished teacher without training again
+
+
+def stage_cache(c, paths: Paths):
+  model = load_teacher(c, paths)
+  tok = load_tokenizer(c, paths)
+  attrs = {"teacher": c.teacher.hf_path or os.path.abspath(paths.run("teacher")),
+           "tokenizer_hash": tokenizer.tokenizer_hash(tok), "source": c.data.source}
+  for split in ("train", "eval"):
+    teacher.write_cache(model, cache.open(paths.data(split)), paths.cache(split), k=c.cache.k,
+                        batch_size=c.cache.batch_size, chunk_size=c.cache.chunk_size,
+                        vocab_size=model.lm_head_DxV().shape[1], attrs=attrs, layout=c.cache.layout)
+
+
+def open_cache(c, paths: Paths, split: str, vocab_size: int):
+  tok = load_tokenizer(c, paths)
+  return cache.open(paths.cache(split), vocab_size=vocab_size, k=c.cache.k,
+                    seq_len=c.data.seq_len, tokenizer_hash=tokenizer.tokenizer_hash(tok))
+
+
+def stage_train(c, paths: Paths):
+  vocab = load_tokenizer(c, paths).get_vocab_size()
+  cfg = model_config(c.student, vocab) if not c.student.hf_path else None
+  store = open_cache(c, paths, "train", cfg.vocab_size if cfg else None)
+  return _fit(c, paths, "student", c.student, c.opt, store, False)
+
+
+def stage_baseline(c, paths: Paths):
+  return _fit(c, paths, "baseline", c.student, c.opt, cache.open(paths.data("train")), True)
+
+
+def stage_eval(c, paths: Paths):
+  eval_store = cache.open(paths.cache("eval"))
+  vocab = load_tokenizer(c, paths).get_vocab_size()
+  models = {"student_init": new_model(c.student, vocab, c.seed)[0]}
+  if not c.teacher.hf_path and "pretrain" in c.stages:
+    models["teacher"] = load_teacher(c, paths)
+  # Finished runs restore from their final checkpoint without training again.
+  if "train" in c.stages:
+    models["student"] = stage_train(c, paths)
+  if "baseline" in c.stages:
+    models["baseline"] = stage_baseline(c, paths)
+  results = {name: evaluate.evaluate(m, eval_store, batch_size=c.eval.batch_size,
+                                     max_seqs=c.eval.max_seqs, chunk_size=c.loss.chunk_size,
+                                     desc=f"eval {name}") for name, m in models.items()}
+  with open(os.path.join(c.workdir, "eval.json"), "w") as f:
+    json.dump(results, f, indent=2)
+  print_report(results)
+  return results
+
+
+def print_report(results: dict):
+  lines = ["", f"{'held-out':<28}{'KL to teacher':>15}{'top-1 agree':>13}{'CE (nats)':>11}"]
+  labels = {"teacher": "teacher", "student_init": "student before training",
+            "student": "student, distilled", "baseline": "student, hard labels only"}
+  for name, r in results.items():
+    lines.append(f"{labels[name]:<28}{r['kl']:>15.4f}{r['top1_agreement']:>13.3f}{r['ce']:>11.4f}")
+  if "student" in results:
+    before, after = results["student_init"]["kl"], results["student"]["kl"]
+    lines.append(f"distillation cut the student's KL to the teacher {before / after:.1f}x "
+                 f"({before:.3f} -> {after:.3f})")
+  if "baseline" in results and "student" in results:
+    d = results["baseline"]["ce"] - results["student"]["ce"]
+    lines.append(f"held-out CE: distilled {results['student']['ce']:.4f} vs hard labels "
+                 f"{results['baseline']['ce']:.4f} ({'distillation better' if d > 0 else 'hard labels better'} by {abs(d):.4f})")
+  logging.info("\n".join(lines))
+
+
+STAGES = {"data": stage_data, "pretrain": stage_pretrain, "cache": stage_cache,
+          "train": stage_train, "baseline": stage_baseline, "eval": stage_eval}
+
+
+def run(c: ml_collections.ConfigDict):
+  config.validate(c)
+  os.makedirs(c.workdir, exist_ok=True)
+  with open(os.path.join(c.workdir, "config.json"), "w") as f:
+    f.write(c.to_json_best_effort(indent=2))
+  paths = Paths.from_config(c)
+  for name in c.stages:
+    logging.info("stage %s", name)
+    STAGES[name](c, paths)

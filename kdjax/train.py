@@ -1,0 +1,229 @@
+"""Training a model against a sequence store: one jitted step, AdamW, orbax checkpoints, exact resume.
+
+Distillation reads a teacher cache (top-k ids and log-probs per position). Hard-label training
+(the demo's teacher pre-training and the hard-label baseline) reads a plain data store and uses the
+same loss with a one-hot "teacher": K = 1, id = next token, log-prob 0, for which the sparse KL
+is exactly the cross-entropy. One code path for both.
+
+Shapes: A micro-batches per optimizer step, B sequences, T positions, K top-k, D width, V vocab.
+"""
+import dataclasses
+import functools
+import json
+import logging
+import os
+import signal
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from kdjax import cache, kernels
+from kdjax.models import llama
+
+H200_BF16_FLOPS = 989e12  # dense bf16 peak, for MFU
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+  """The static loss arguments of the jitted step."""
+  objective: str
+  temperature: float
+  ce_weight: float
+  impl: str
+  chunk_size: int
+
+  @classmethod
+  def from_config(cls, g, hard_labels: bool) -> "LossSettings":
+    if hard_labels:  # one-hot teacher: sparse KL == cross-entropy; see the module docstring
+      return cls("sparse", 1.0, 0.0, g.impl, g.chunk_size)
+    return cls(g.objective, g.temperature, g.ce_weight, g.impl, g.chunk_size)
+
+
+def make_optimizer(g) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=g.lr, warmup_steps=g.warmup_steps, decay_steps=g.steps,
+      end_value=g.lr * g.min_lr_ratio)
+  decay_matrices = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # not norms
+  tx = optax.chain(
+      optax.clip_by_global_norm(g.grad_clip),
+      optax.adamw(schedule, b1=g.b1, b2=g.b2, weight_decay=g.weight_decay, mask=decay_matrices))
+  return tx, schedule
+
+
+def next_token_labels(tokens_BxT: np.ndarray) -> np.ndarray:
+  """labels[t] = tokens[t + 1]; the last position gets 0 and is masked by loss_mask."""
+  labels_BxT = np.zeros_like(tokens_BxT)
+  labels_BxT[..., :-1] = tokens_BxT[..., 1:]
+  return labels_BxT
+
+
+def to_step_batch(rows: dict, accum_steps: int, hard_labels: bool) -> dict:
+  """Host rows [A*B, ...] -> the step's arrays [A, B, ...]; adds labels (and a one-hot teacher)."""
+  labels = next_token_labels(rows["tokens"])
+  batch = {
+      "tokens": rows["tokens"], "positions": rows["positions"],
+      "segment_ids": rows["segment_ids"], "loss_mask": rows["loss_mask"], "labels": labels}
+  if hard_labels:
+    batch["topk_ids"] = labels[..., None]
+    batch["topk_logprobs"] = np.zeros(labels.shape + (1,), np.float32)
+  else:
+    batch["topk_ids"] = rows["topk_ids"]
+    batch["topk_logprobs"] = rows["topk_logprobs"]
+  return {k: v.reshape((accum_steps, -1) + v.shape[1:]) for k, v in batch.items()}
+
+
+def loss_fn(params, graphdef, batch, loss: LossSettings):
+  model = nnx.merge(graphdef, params)
+  hidden_BxTxD = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+  return kernels.topk_kl_loss(
+      hidden_BxTxD, model.lm_head_DxV(), batch["topk_ids"], batch["topk_logprobs"],
+      batch["loss_mask"], objective=loss.objective, temperature=loss.temperature,
+      labels=batch["labels"], ce_weight=loss.ce_weight, impl=loss.impl,
+      chunk_size=loss.chunk_size, return_aux=True)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "tx", "loss"), donate_argnames="state")
+def train_step(state, batch_AxB, *, graphdef, tx, loss: LossSettings):
+  """One optimizer step over A micro-batches (gradients averaged: each micro-batch's loss is
+  already a mean over its valid positions)."""
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def micro(grads_sum, micro_batch):
+    (value, aux), grads = grad_fn(state["params"], graphdef, micro_batch, loss)
+    return jax.tree.map(jnp.add, grads_sum, grads), (value, aux)
+
+  zeros = jax.tree.map(jnp.zeros_like, state["params"])
+  grads_sum, (values_A, aux_A) = jax.lax.scan(micro, zeros, batch_AxB)
+  grads = jax.tree.map(lambda g: g / values_A.shape[0], grads_sum)
+  updates, opt_state = tx.update(grads, state["opt"], state["params"])
+  params = optax.apply_updates(state["params"], updates)
+  metrics = {"loss": values_A.mean(), "kl": aux_A["kl"].mean(), "ce": aux_A["ce"].mean(),
+             "grad_norm": optax.global_norm(grads)}
+  return {"params": params, "opt": opt_state, "step": state["step"] + 1}, metrics
+
+
+class Checkpoints:
+  """Orbax checkpoints of the train state, the loader position and the model shape."""
+
+  def __init__(self, directory: str, model_cfg: llama.ModelConfig):
+    self.model_meta = json.loads(json.dumps(dataclasses.asdict(model_cfg)))
+    self.manager = ocp.CheckpointManager(
+        os.path.abspath(directory), options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state, loader_state: dict):
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), loader=ocp.args.JsonSave(loader_state),
+        model=ocp.args.JsonSave(self.model_meta)), force=True)
+    self.manager.wait_until_finished()
+
+  def restore(self, step: int, abstract_state):
+    meta = self.manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
+    if meta != self.model_meta:
+      diff = {k: (meta.get(k), v) for k, v in self.model_meta.items() if meta.get(k) != v}
+      raise ValueError(
+          f"{self.manager.directory} holds a checkpoint of a different model (saved vs config: "
+          f"{diff}). Use another workdir, or delete that checkpoint to start over.")
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), loader=ocp.args.JsonRestore()))
+    return out["state"], out["loader"]
+
+  def close(self):
+    self.manager.close()
+
+
+def _log_line(name, step, steps, m, lr, tok_s, mfu, mem_gib):
+  extra = f" mfu {mfu:.1%}" if mfu is not None else ""
+  extra += f" mem {mem_gib:.1f}GiB" if mem_gib is not None else ""
+  logging.info("%s step %d/%d loss %.4f kl %.4f ce %.4f lr %.2e tok/s %.0f%s", name, step, steps,
+               m["loss"], m["kl"], m["ce"], lr, tok_s, extra)
+
+
+def _peak_memory_gib():
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
+
+
+def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, workdir: str,
+        opt, loss_cfg, hard_labels: bool, seed: int) -> nnx.Module:
+  """Trains `model` for opt.steps on `store`, resuming from workdir/ckpt; returns the trained model.
+
+  Returns at once when the final checkpoint exists (the stage is complete).
+  """
+  os.makedirs(workdir, exist_ok=True)
+  tx, schedule = make_optimizer(opt)
+  loss = LossSettings.from_config(loss_cfg, hard_labels)
+  graphdef, params = nnx.split(model)
+  state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+  loader = cache.Loader(store, opt.batch_size * opt.accum_steps, seed=seed, shuffle=True)
+  ckpt = Checkpoints(os.path.join(workdir, "ckpt"), model_cfg)
+  start = ckpt.latest_step() or 0
+  if start:
+    state, loader_state = ckpt.restore(start, jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
+    loader.restore(loader_state)
+    logging.info("%s: resumed from step %d", name, start)
+  if start >= opt.steps:
+    ckpt.close()
+    return nnx.merge(graphdef, state["params"])
+
+  tokens_per_step = opt.batch_size * opt.accum_steps * store.seq_len
+  flops_per_step = llama.flops_per_token(model_cfg, store.seq_len) * tokens_per_step
+  on_gpu = jax.devices()[0].platform == "gpu"
+  step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx, loss=loss)
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+
+  def report(step, metrics, t_prev, step_prev):
+    m = {k: float(v) for k, v in metrics.items()}  # blocks until `step` is done
+    now = time.perf_counter()
+    if not all(np.isfinite(list(m.values()))):
+      raise FloatingPointError(
+          f"{name}: non-finite metrics at step {step}: {m}. Lower opt.lr, check the cache with "
+          "'python -m kdjax.cache verify', or resume from the last checkpoint.")
+    tok_s = tokens_per_step * (step - step_prev) / (now - t_prev)
+    mfu = flops_per_step * (step - step_prev) / (now - t_prev) / H200_BF16_FLOPS if on_gpu else None
+    mem, lr = _peak_memory_gib(), float(schedule(step - 1))
+    _log_line(name, step, opt.steps, m, lr, tok_s, mfu, mem)
+    with open(metrics_path, "a") as f:
+      f.write(json.dumps({"step": step, **m, "lr": lr, "tokens_per_s": tok_s, "mfu": mfu,
+                          "peak_mem_gib": mem, "time": time.time()}) + "\n")
+    return now, step
+
+  # SIGTERM (a pre-empted job) saves a checkpoint like Ctrl-C does, so no finished step is lost.
+  def on_sigterm(*_):
+    raise KeyboardInterrupt
+  previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
+  pending, clock = None, (time.perf_counter(), start)
+  loader_state = loader.state()  # always the position matching `state`
+  try:
+    for step in range(start + 1, opt.steps + 1):
+      batch = to_step_batch(next(loader), opt.accum_steps, hard_labels)
+      state, metrics = step_fn(state, batch)
+      loader_state = loader.state()
+      # Read step t-1's metrics only after step t is dispatched: the host never stalls the device.
+      if pending is not None:
+        clock = report(*pending, *clock)
+        pending = None
+      if step % opt.log_every == 0 or step == opt.steps:
+        pending = (step, metrics)
+      if step % opt.ckpt_every == 0 or step == opt.steps:
+        ckpt.save(step, state, loader_state)
+    if pending is not None:
+      report(*pending, *clock)
+  except KeyboardInterrupt:
+    done = int(state["step"])
+    if done > (ckpt.latest_step() or 0):
+      ckpt.save(done, state, loader_state)
+      logging.info("%s: interrupted; saved step %d", name, done)
+    raise
+  finally:
+    signal.signal(signal.SIGTERM, previous_handler)
+    loader.close()
+    ckpt.close()
+  return nnx.merge(graphdef, state["params"])
