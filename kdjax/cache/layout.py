@@ -1,0 +1,86 @@
+"""What each array of a sequence store holds on disk, and how top-k values are encoded.
+
+Every array is a zarr v3 array sharded along rows: one shard file per region of `region_rows` rows
+(the unit of crash safety, see store.py), one inner chunk per row so a random row read decodes only
+that row. Inner chunks and shard indexes carry a crc32c codec, so a flipped byte fails to decode.
+Only standard zarr v3 codecs are used (sharding_indexed, bytes, blosc, crc32c): plain tensorstore and
+zarr-python read every array.
+
+Layouts of the top-k arrays (S rows, T positions, K entries):
+  float32: topk_ids int32, topk_logprobs float32 -- the reference, 8 bytes per entry before zstd.
+  compact: topk_ids uint16 when the vocabulary fits, else int32; topk_logprobs uint16 "gaps":
+           -logprob = cumsum(gaps, axis=-1) * logprob_scale. Entries are sorted by descending
+           probability, so the first gap is the quantised top-1 and the rest are small non-negative
+           steps that zstd packs into about a byte. Quantising absolute values (then differencing
+           the integers) keeps the error of every entry at most scale / 2: no drift along K.
+"""
+import numpy as np
+
+FORMAT_VERSION = 1
+LAYOUTS = ("float32", "compact")
+TOKEN_ARRAYS = {"tokens": "int32", "segment_ids": "int32", "positions": "int32", "loss_mask": "bool"}
+TOPK_ARRAYS = ("topk_ids", "topk_logprobs")
+# 2**-10 nats: an entry's probability is off by at most 0.05% relative; 65535 steps cover 64 nats.
+LOGPROB_SCALE = 2.0**-10
+MAX_GAP = np.iinfo(np.uint16).max
+
+
+def array_dtypes(k, vocab_size, layout):
+  """{name: stored numpy dtype name} for a store with these parameters."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  dtypes = dict(TOKEN_ARRAYS)
+  if k > 0:
+    if layout == "float32":
+      dtypes.update(topk_ids="int32", topk_logprobs="float32")
+    else:
+      ids = "uint16" if vocab_size <= 2**16 else "int32"
+      dtypes.update(topk_ids=ids, topk_logprobs="uint16")
+  return dtypes
+
+
+def zarr_metadata(shape, dtype, region_rows):
+  """zarr v3 metadata: one shard per region of rows, one inner chunk per row."""
+  itemsize = np.dtype(dtype).itemsize
+  inner = [{"name": "bytes", "configuration": {"endian": "little"} if itemsize > 1 else {}}]
+  # Byte shuffle groups the high bytes of small integers together before zstd.
+  inner.append({"name": "blosc", "configuration": {
+      "cname": "zstd", "clevel": 5, "shuffle": "shuffle" if itemsize > 1 else "noshuffle",
+      "typesize": itemsize, "blocksize": 0}})
+  inner.append({"name": "crc32c"})
+  index_codecs = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+  return {
+      "shape": list(shape),
+      "data_type": dtype,
+      "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [region_rows, *shape[1:]]}},
+      "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+      "codecs": [{"name": "sharding_indexed", "configuration": {
+          "chunk_shape": [1, *shape[1:]], "codecs": inner, "index_codecs": index_codecs,
+          "index_location": "end"}}],
+      "fill_value": False if dtype == "bool" else 0,
+  }
+
+
+def encode_topk(ids_SxTxK, logprobs_SxTxK, dtypes):
+  """Caller's int ids / float32 log-probs -> what is stored."""
+  ids = ids_SxTxK.astype(dtypes["topk_ids"])
+  if dtypes["topk_logprobs"] == "float32":
+    return ids, logprobs_SxTxK.astype(np.float32)
+  # Sort by descending probability so gaps are non-negative; ties and order of the caller's
+  # entries are kept (stable sort), so an already sorted lax.top_k output is unchanged.
+  order = np.argsort(-logprobs_SxTxK, axis=-1, kind="stable")
+  ids = np.take_along_axis(ids, order, axis=-1)
+  neg = -np.take_along_axis(logprobs_SxTxK.astype(np.float64), order, axis=-1)
+  steps = np.rint(neg / LOGPROB_SCALE).astype(np.int64)
+  steps = np.minimum(np.maximum.accumulate(steps, axis=-1), MAX_GAP)
+  gaps = np.diff(steps, axis=-1, prepend=0)
+  return ids, gaps.astype(np.uint16)
+
+
+def decode_topk(ids_SxTxK, stored_SxTxK, dtypes):
+  """Stored top-k arrays -> int32 ids, float32 log-probs."""
+  ids = ids_SxTxK.astype(np.int32)
+  if dtypes["topk_logprobs"] == "float32":
+    return ids, stored_SxTxK
+  steps = np.cumsum(stored_SxTxK, axis=-1, dtype=np.int64)
+  return ids, (steps * -LOGPROB_SCALE).astype(np.float32)

@@ -1,0 +1,113 @@
+"""Runs the teacher over a tokenised data store and writes its top-k log-probs to a cache.
+
+Shape letters: B batch, T positions, D model width, V vocabulary, K top-k, C chunk of positions.
+
+The teacher's [B, T, V] logits never exist at once: positions are processed in chunks of C, each
+projected through the lm_head in float32, normalised over the full vocabulary and reduced to its
+top K before the next chunk. Work is done region by region (the cache's unit of crash safety), so a
+killed run, started again, continues with the first unfinished region; ranks of a multi-process run
+take disjoint regions.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from kdjax import cache
+
+_TOKEN_ARRAYS = ("tokens", "segment_ids", "positions", "loss_mask")
+
+
+def topk_logprobs(hidden_BxTxD, lm_head_DxV, *, k, chunk_size):
+  """Top-k ids [B, T, K] int32 and their log-softmax over the full vocabulary [B, T, K] float32."""
+  batch, seq_len, _ = hidden_BxTxD.shape
+  chunk = min(chunk_size, seq_len)
+  pad = -seq_len % chunk
+  hidden_BxTxD = jnp.pad(hidden_BxTxD, ((0, 0), (0, pad), (0, 0)))
+  # [T/C, B, C, D]: lax.map runs one chunk at a time, so one [B, C, V] block is live at a time.
+  chunks_NxBxCxD = hidden_BxTxD.reshape(batch, -1, chunk, hidden_BxTxD.shape[-1]).swapaxes(0, 1)
+
+  def one_chunk(hidden_BxCxD):
+    # float32 logits: log-probs of the tail entries lose most of their digits in bf16.
+    logits_BxCxV = jnp.einsum("bcd,dv->bcv", hidden_BxCxD, lm_head_DxV,
+                              preferred_element_type=jnp.float32)
+    lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
+    top_BxCxK, ids_BxCxK = jax.lax.top_k(logits_BxCxV, k)
+    return ids_BxCxK.astype(jnp.int32), top_BxCxK - lse_BxC[..., None]
+
+  ids_NxBxCxK, logprobs_NxBxCxK = jax.lax.map(one_chunk, chunks_NxBxCxD)
+  unchunk = lambda x: x.swapaxes(0, 1).reshape(batch, -1, k)[:, :seq_len]
+  return unchunk(ids_NxBxCxK), unchunk(logprobs_NxBxCxK)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "k", "chunk_size", "vocab_size"))
+def _teacher_step(graphdef, state, tokens_BxT, positions_BxT, segment_ids_BxT, *, k, chunk_size,
+                  vocab_size):
+  model = nnx.merge(graphdef, state)
+  hidden_BxTxD = model(tokens_BxT, positions_BxT, segment_ids_BxT)
+  # Models may pad their vocabulary for speed; rows past the tokenizer's vocabulary are never
+  # real tokens and must not take probability mass.
+  lm_head_DxV = model.lm_head_DxV()[:, :vocab_size]
+  ids_BxTxK, logprobs_BxTxK = topk_logprobs(hidden_BxTxD, lm_head_DxV, k=k, chunk_size=chunk_size)
+  # Padding (segment 0) is never trained on and, in a row of padding only, may attend to nothing
+  # (NaN): store a finite uniform placeholder there so the cache's NaN check guards real positions.
+  pad_BxTx1 = (segment_ids_BxT == 0)[..., None]
+  ids_BxTxK = jnp.where(pad_BxTx1, jnp.arange(k, dtype=jnp.int32), ids_BxTxK)
+  logprobs_BxTxK = jnp.where(pad_BxTx1, -np.log(vocab_size).astype(np.float32), logprobs_BxTxK)
+  return ids_BxTxK, logprobs_BxTxK
+
+
+def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, vocab_size, attrs,
+                layout="float32", rank=0, world=1, region_rows=None):
+  """Writes (or resumes) the teacher cache of `data_store` at `cache_path`; returns the store.
+
+  Args:
+    model: teacher, `hidden = model(tokens, positions, segment_ids)`, `model.lm_head_DxV()`.
+    data_store: opened k = 0 store of tokenised rows.
+    cache_path: directory of the cache; an unfinished cache with the same spec is resumed.
+    k: top-k entries kept per position.
+    batch_size: rows per teacher call; chunk_size: positions per lm_head projection.
+    vocab_size: tokenizer vocabulary; the model's lm_head must have at least this many columns.
+    attrs: cache identity (teacher hash, ...); the data store's attrs are added under "data".
+    layout: "float32" or "compact" (see kdjax/cache/layout.py).
+    rank, world: this process writes the regions r with r % world == rank.
+    region_rows: rows per region; default the data store's.
+  """
+  model_vocab = model.lm_head_DxV().shape[-1]
+  if model_vocab < vocab_size:
+    raise cache.CacheError(f"teacher lm_head has {model_vocab} columns, fewer than the "
+                           f"vocabulary ({vocab_size}): wrong teacher or tokenizer.")
+  attrs = {**attrs, "data": {key: value for key, value in data_store.attrs.items()
+                             if key != "created"}}
+  for key in ("tokenizer_hash", "source"):
+    if key in data_store.attrs:
+      attrs.setdefault(key, data_store.attrs[key])
+  store = cache.create(cache_path, num_seqs=data_store.num_seqs, seq_len=data_store.seq_len, k=k,
+                       vocab_size=vocab_size, attrs=attrs, layout=layout,
+                       region_rows=region_rows or data_store.region_rows)
+  todo = store.missing(rank, world)
+  graphdef, state = nnx.split(model)
+  step = functools.partial(_teacher_step, graphdef, state, k=k, chunk_size=chunk_size,
+                           vocab_size=vocab_size)
+  total = sum(stop - start for start, stop in todo) * store.seq_len
+  with tqdm(total=total, unit="tok", unit_scale=True, desc=f"teacher rank {rank}/{world}") as bar:
+    for start, stop in todo:
+      rows = data_store.read(slice(start, stop))
+      out = {name: rows[name] for name in _TOKEN_ARRAYS}
+      ids, logprobs = [], []
+      for lo in range(0, stop - start, batch_size):
+        hi = min(lo + batch_size, stop - start)
+        # Pad the last batch to batch_size: one compiled shape; padding rows are dropped.
+        pad = lambda x: np.pad(x[lo:hi], [(0, batch_size - (hi - lo))] + [(0, 0)] * (x.ndim - 1))
+        batch_ids, batch_logprobs = step(pad(rows["tokens"]), pad(rows["positions"]),
+                                         pad(rows["segment_ids"]))
+        ids.append(np.asarray(batch_ids)[:hi - lo])
+        logprobs.append(np.asarray(batch_logprobs)[:hi - lo])
+        bar.update((hi - lo) * store.seq_len)
+      out["topk_ids"] = np.concatenate(ids)
+      out["topk_logprobs"] = np.concatenate(logprobs)
+      store.write(start, out)
+  return store

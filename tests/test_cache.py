@@ -1,0 +1,168 @@
+"""Sequence stores: round trips, crash-safety records, boundary checks, the loader."""
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from kdjax import cache
+from kdjax.cache import layout
+
+V, T, K = 300, 8, 5
+
+
+def make_rows(rng, n, seq_len=T, k=K, vocab=V):
+  """Valid rows: top-k log-probs sorted descending, like lax.top_k output."""
+  rows = {"tokens": rng.integers(0, vocab, (n, seq_len), dtype=np.int32),
+          "segment_ids": np.ones((n, seq_len), np.int32),
+          "positions": np.tile(np.arange(seq_len, dtype=np.int32), (n, 1)),
+          "loss_mask": rng.random((n, seq_len)) < 0.9}
+  if k:
+    rows["topk_ids"] = rng.integers(0, vocab, (n, seq_len, k), dtype=np.int32)
+    rows["topk_logprobs"] = -np.sort(rng.exponential(3.0, (n, seq_len, k)), -1).astype(np.float32)
+  return rows
+
+
+def new_store(path, num_seqs=10, k=K, layout_name="float32", attrs=None, region_rows=4):
+  return cache.create(path, num_seqs=num_seqs, seq_len=T, k=k, vocab_size=V,
+                      attrs=attrs or {"teacher_hash": "t1", "tokenizer_hash": "tok1"},
+                      layout=layout_name, region_rows=region_rows)
+
+
+def take(rows, index):
+  return {name: arr[index] for name, arr in rows.items()}
+
+
+@pytest.mark.parametrize("k", [0, K])
+def test_float32_round_trip_is_exact(tmp_path, k):
+  rows = make_rows(np.random.default_rng(0), 10, k=k)
+  store = new_store(tmp_path / "s", k=k)
+  assert store.missing() == [(0, 4), (4, 8), (8, 10)]
+  store.write(0, take(rows, slice(0, 10)))
+  assert store.missing() == []
+  back = cache.open(tmp_path / "s", vocab_size=V, k=k, seq_len=T, tokenizer_hash="tok1")
+  assert (back.num_seqs, back.seq_len, back.k, back.attrs["teacher_hash"]) == (10, T, k, "t1")
+  got = back.read([7, 2, 2, 9])
+  for name, arr in rows.items():
+    np.testing.assert_array_equal(got[name], arr[[7, 2, 2, 9]])
+  assert got["tokens"].dtype == np.int32
+
+
+def test_compact_round_trip_within_half_a_step(tmp_path):
+  rows = make_rows(np.random.default_rng(1), 10)
+  store = new_store(tmp_path / "s", layout_name="compact")
+  store.write(0, rows)
+  got = cache.open(tmp_path / "s").read(slice(0, 10))
+  np.testing.assert_array_equal(got["topk_ids"], rows["topk_ids"])
+  assert got["topk_ids"].dtype == np.int32 and got["topk_logprobs"].dtype == np.float32
+  err = np.abs(got["topk_logprobs"] - rows["topk_logprobs"]).max()
+  assert err <= layout.LOGPROB_SCALE / 2 + 1e-5
+
+
+def test_unaligned_writes_complete_regions(tmp_path):
+  rows = make_rows(np.random.default_rng(2), 10)
+  store = new_store(tmp_path / "s")
+  store.write(0, take(rows, slice(0, 3)))
+  assert store.missing() == [(3, 4), (4, 8), (8, 10)]
+  store.write(3, take(rows, slice(3, 9)))
+  assert store.missing() == [(9, 10)]
+  store.write(9, take(rows, slice(9, 10)))
+  assert store.missing() == [] and store.complete_regions() == {0, 1, 2}
+  np.testing.assert_array_equal(cache.open(tmp_path / "s").read(slice(0, 10))["topk_ids"],
+                                rows["topk_ids"])
+
+
+def test_missing_splits_regions_by_rank(tmp_path):
+  store = new_store(tmp_path / "s", num_seqs=23, region_rows=2)
+  parts = [store.missing(rank, 3) for rank in range(3)]
+  flat = sorted(r for part in parts for r in part)
+  assert flat == store.missing() and len(flat) == 12
+  assert not set(parts[0]) & set(parts[1])
+
+
+def test_incomplete_store_is_refused(tmp_path):
+  rows = make_rows(np.random.default_rng(3), 10)
+  store = new_store(tmp_path / "s")
+  store.write(4, take(rows, slice(4, 8)))
+  with pytest.raises(cache.CacheError, match="2 of 3 regions"):
+    cache.open(tmp_path / "s")
+  partial = cache.open(tmp_path / "s", allow_partial=True)
+  assert partial.missing() == [(0, 4), (8, 10)]
+
+
+def test_resume_with_another_spec_is_refused(tmp_path):
+  new_store(tmp_path / "s")
+  new_store(tmp_path / "s")  # same spec: resumes
+  with pytest.raises(cache.CacheError, match="different spec"):
+    new_store(tmp_path / "s", k=K + 1)
+  with pytest.raises(cache.CacheError, match="teacher_hash"):
+    new_store(tmp_path / "s", attrs={"teacher_hash": "t2", "tokenizer_hash": "tok1"})
+
+
+@pytest.mark.parametrize("expect, match", [
+    ({"vocab_size": V + 1}, "vocab_size"), ({"k": K + 1}, "k="), ({"seq_len": T * 2}, "seq_len"),
+    ({"tokenizer_hash": "other"}, "tokenizer_hash")])
+def test_open_checks_what_the_caller_expects(tmp_path, expect, match):
+  new_store(tmp_path / "s").write(0, make_rows(np.random.default_rng(4), 10))
+  with pytest.raises(cache.CacheError, match=match):
+    cache.open(tmp_path / "s", **expect)
+
+
+@pytest.mark.parametrize("name, value, match", [
+    ("topk_logprobs", np.nan, "NaN"), ("topk_logprobs", np.inf, "NaN"),
+    ("topk_logprobs", 0.5, "<= 0"), ("topk_ids", V, r"\[0, 300\)"), ("topk_ids", -1, r"\[0, 300\)"),
+    ("tokens", V, r"\[0, 300\)")])
+def test_bad_values_are_refused_at_write(tmp_path, name, value, match):
+  rows = make_rows(np.random.default_rng(5), 4)
+  rows[name] = rows[name].astype(np.float32 if name == "topk_logprobs" else np.int64)
+  rows[name][2, 3, ...] = value
+  store = new_store(tmp_path / "s")
+  with pytest.raises(cache.CacheError, match=match):
+    store.write(0, rows)
+  assert store.missing()[0] == (0, 4)
+
+
+def test_nan_on_disk_is_refused_at_read(tmp_path):
+  new_store(tmp_path / "s").write(0, make_rows(np.random.default_rng(6), 10))
+  arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file",
+                                                "path": str(tmp_path / "s" / "topk_logprobs")}}).result()
+  arr[5, 1, 0].write(np.nan).result()
+  store = cache.open(tmp_path / "s")
+  store.read([0, 1])
+  with pytest.raises(cache.CacheError, match="NaN"):
+    store.read([4, 5])
+
+
+def test_loader_order_is_a_seeded_permutation_per_epoch(tmp_path):
+  rows = make_rows(np.random.default_rng(7), 10)
+  new_store(tmp_path / "s").write(0, rows)
+  store = cache.open(tmp_path / "s")
+  loader = cache.Loader(store, batch_size=3, seed=11)
+  firsts = [next(loader)["tokens"][:, 0] for _ in range(9)]  # 3 batches per epoch, 3 epochs
+  for epoch in range(3):
+    seen = np.concatenate(firsts[3 * epoch:3 * epoch + 3])
+    expected = rows["tokens"][loader.order(epoch)[:9], 0]
+    np.testing.assert_array_equal(seen, expected)
+  assert not np.array_equal(loader.order(0), loader.order(1))
+  again = cache.Loader(store, batch_size=3, seed=11)
+  np.testing.assert_array_equal(next(again)["tokens"][:, 0], firsts[0])
+  other = cache.Loader(store, batch_size=3, seed=12)
+  assert not np.array_equal(other.order(0), loader.order(0))
+  loader.close(), again.close(), other.close()
+
+
+def test_loader_restore_continues_exactly(tmp_path):
+  new_store(tmp_path / "s").write(0, make_rows(np.random.default_rng(8), 10))
+  store = cache.open(tmp_path / "s")
+  loader = cache.Loader(store, batch_size=4, seed=3)
+  for _ in range(3):
+    next(loader)
+  state = loader.state()
+  expected = [next(loader) for _ in range(4)]
+  resumed = cache.Loader(store, batch_size=4, seed=3)
+  resumed.restore(state)
+  for want in expected:
+    got = next(resumed)
+    for name in want:
+      np.testing.assert_array_equal(got[name], want[name])
+  with pytest.raises(cache.CacheError, match="seed"):
+    cache.Loader(store, batch_size=4, seed=4).restore(state)
+  loader.close(), resumed.close()

@@ -1,0 +1,118 @@
+"""Teacher cache writing: top-k against a dense float64 reference, crash and resume, checks."""
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from kdjax import cache, teacher
+
+V, T, D, K = 61, 12, 16, 7
+
+
+class TinyTeacher(nnx.Module):
+  """Follows the model contract of ARCHITECTURE.md with a few parameters."""
+
+  def __init__(self, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    self.embed_VxD = nnx.Param(jnp.asarray(rng.normal(size=(vocab, D)), jnp.float32))
+    self.mix_DxD = nnx.Param(jnp.asarray(rng.normal(size=(D, D)) / 4, jnp.float32))
+
+  def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT):
+    x_BxTxD = self.embed_VxD[...][tokens_BxT] + 0.1 * positions_BxT[..., None]
+    return 2.0 * jnp.tanh(x_BxTxD @ self.mix_DxD[...]) * (segment_ids_BxT > 0)[..., None]
+
+  def lm_head_DxV(self):
+    return self.embed_VxD[...].T
+
+
+def make_data(path, num_seqs=10, region_rows=3, seed=0):
+  rng = np.random.default_rng(seed)
+  store = cache.create(path, num_seqs=num_seqs, seq_len=T, k=0, vocab_size=V,
+                       attrs={"tokenizer_hash": "tok", "source": "test"}, region_rows=region_rows)
+  segment_ids = np.ones((num_seqs, T), np.int32)
+  segment_ids[0, T - 3:] = 0  # padding tail
+  store.write(0, {"tokens": rng.integers(0, V, (num_seqs, T), dtype=np.int32),
+                  "segment_ids": segment_ids,
+                  "positions": np.tile(np.arange(T, dtype=np.int32), (num_seqs, 1)),
+                  "loss_mask": segment_ids > 0})
+  return cache.open(path)
+
+
+def write(model, data, path, **kw):
+  kw = {"k": K, "batch_size": 4, "chunk_size": 5, "vocab_size": V,
+        "attrs": {"teacher_hash": "tiny"}, **kw}
+  return teacher.write_cache(model, data, path, **kw)
+
+
+def store_files(path):
+  """{relative path: bytes} of everything but the root metadata (its creation time differs)."""
+  out = {}
+  for root, _, names in os.walk(path):
+    for name in names:
+      full = os.path.join(root, name)
+      rel = os.path.relpath(full, path)
+      if rel != "zarr.json":
+        with open(full, "rb") as f:
+          out[rel] = f.read()
+  return out
+
+
+def test_topk_matches_dense_reference(tmp_path):
+  model = TinyTeacher(V)
+  data = make_data(tmp_path / "data")
+  write(model, data, tmp_path / "cache")
+  got = cache.open(tmp_path / "cache", vocab_size=V, k=K, seq_len=T, tokenizer_hash="tok")
+  rows = data.read(slice(0, 10))
+  out = got.read(slice(0, 10))
+  hidden = np.asarray(model(rows["tokens"], rows["positions"], rows["segment_ids"]), np.float64)
+  logits = hidden @ np.asarray(model.lm_head_DxV(), np.float64)
+  m = logits.max(-1, keepdims=True)
+  logprobs = logits - m - np.log(np.exp(logits - m).sum(-1, keepdims=True))
+  ids = np.argsort(-logprobs, axis=-1)[..., :K]
+  real = rows["segment_ids"] > 0
+  np.testing.assert_array_equal(out["topk_ids"][real], ids[real])
+  np.testing.assert_allclose(out["topk_logprobs"][real],
+                             np.take_along_axis(logprobs, ids, -1)[real], rtol=0, atol=2e-5)
+  assert np.isfinite(out["topk_logprobs"]).all()
+  for name in ("tokens", "segment_ids", "positions", "loss_mask"):
+    np.testing.assert_array_equal(out[name], rows[name])
+  assert got.attrs["teacher_hash"] == "tiny" and got.attrs["data"]["source"] == "test"
+
+
+def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+  model = TinyTeacher(V)
+  data = make_data(tmp_path / "data")
+  write(model, data, tmp_path / "whole")
+
+  real_write = cache.Store.write
+  calls = []
+
+  def crashing_write(self, start, batch):
+    calls.append(start)
+    if len(calls) == 3:
+      raise KeyboardInterrupt("killed")
+    real_write(self, start, batch)
+
+  monkeypatch.setattr(cache.Store, "write", crashing_write)
+  with pytest.raises(KeyboardInterrupt):
+    write(model, data, tmp_path / "resumed")
+  monkeypatch.setattr(cache.Store, "write", real_write)
+  with pytest.raises(cache.CacheError, match="2 of 4 regions"):
+    cache.open(tmp_path / "resumed")
+  write(model, data, tmp_path / "resumed")
+  assert store_files(tmp_path / "resumed") == store_files(tmp_path / "whole")
+
+
+def test_lm_head_narrower_than_vocab_is_refused(tmp_path):
+  data = make_data(tmp_path / "data")
+  with pytest.raises(cache.CacheError, match="fewer than the vocabulary"):
+    write(TinyTeacher(V - 1), data, tmp_path / "cache")
+
+
+def test_resume_with_another_k_is_refused(tmp_path):
+  data = make_data(tmp_path / "data")
+  write(TinyTeacher(V), data, tmp_path / "cache")
+  with pytest.raises(cache.CacheError, match="different spec"):
+    write(TinyTeacher(V), data, tmp_path / "cache", k=K - 1)
