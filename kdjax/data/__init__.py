@@ -1,0 +1,9 @@
+"""The data stage: document sources, chat rendering, packing, and the k=0 stores they fill.
+
+  sources.py   documents(source, ...): "stdlib" or .jsonl/.parquet, streamed
+  chat.py      chat templates rendered as transformers does, with assistant spans
+  packing.py   pack(token_docs, seq_len, bos_id=, eos_id=): greedy rows with segments
+"""
+from kdjax.data.packing import Packer, pack
+
+__all__ = ["Packer", "pack"]

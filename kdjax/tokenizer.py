@@ -1,0 +1,174 @@
+"""Tokenizers: train a byte-level BPE locally, load HF tokenizers, hash them.
+
+A `Tokenizer` wraps a Hugging Face `tokenizers.Tokenizer` with what the data stage needs beside
+it: the bos/eos/pad ids and the chat template of `tokenizer_config.json`. Teacher and student must
+share one tokenizer; `tokenizer_hash` is what the stores record and check.
+"""
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizer:
+  """A HF tokenizer plus the special tokens and chat template of its config."""
+  hf: tokenizers.Tokenizer
+  bos_token: str | None
+  eos_token: str | None
+  pad_token: str | None
+  chat_template: str | None = None
+
+  @property
+  def bos_id(self) -> int | None:
+    return _token_id(self.hf, self.bos_token)
+
+  @property
+  def eos_id(self) -> int | None:
+    return _token_id(self.hf, self.eos_token)
+
+  @property
+  def pad_id(self) -> int | None:
+    return _token_id(self.hf, self.pad_token)
+
+  @property
+  def vocab_size(self) -> int:
+    return real_vocab_size(self)
+
+  def encode(self, text: str) -> list[int]:
+    # Special tokens are never added here: documents get bos/eos in packing, chat templates
+    # write their own.
+    return self.hf.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Iterable[int]) -> str:
+    return self.hf.decode(list(ids), skip_special_tokens=False)
+
+
+def _token_id(hf: tokenizers.Tokenizer, token: str | None) -> int | None:
+  if token is None:
+    return None
+  token_id = hf.token_to_id(token)
+  if token_id is None:
+    raise ValueError(f"special token {token!r} is not in the tokenizer's vocabulary")
+  return token_id
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, path: str) -> Tokenizer:
+  """Trains a byte-level BPE on `texts` and writes it to `path`.
+
+  Args:
+    texts: an iterable of documents, consumed once (a generator is fine).
+    vocab_size: the total vocabulary, including the 256 byte tokens and the special tokens
+      <|bos|>, <|eos|>, <|pad|> (ids 0, 1, 2).
+    path: a `tokenizer.json` file, or a directory that receives `tokenizer.json` and a
+      `tokenizer_config.json` naming the special tokens (a HF checkpoint layout).
+
+  Returns:
+    The trained tokenizer.
+  """
+  hf = tokenizers.Tokenizer(models.BPE())
+  # GPT-2 style: bytes are the alphabet, so every string encodes without an unknown token.
+  hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  hf.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+      vocab_size=vocab_size,
+      special_tokens=[BOS, EOS, PAD],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+      show_progress=False)
+  hf.train_from_iterator(texts, trainer=trainer)
+  tok = Tokenizer(hf, BOS, EOS, PAD)
+  save(tok, path)
+  return tok
+
+
+def save(tok: Tokenizer, path: str) -> None:
+  """Writes `tokenizer.json` (a file path), or a checkpoint-style directory, atomically."""
+  if path.endswith(".json"):
+    _write_atomic(path, tok.hf.to_str(pretty=True))
+    return
+  os.makedirs(path, exist_ok=True)
+  _write_atomic(os.path.join(path, "tokenizer.json"), tok.hf.to_str(pretty=True))
+  config = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "pad_token": tok.pad_token}
+  if tok.chat_template is not None:
+    config["chat_template"] = tok.chat_template
+  _write_atomic(os.path.join(path, "tokenizer_config.json"), json.dumps(config, indent=2))
+
+
+def _write_atomic(path: str, text: str) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+def load(path: str) -> Tokenizer:
+  """Loads a `tokenizer.json` file or a HF checkpoint directory.
+
+  A directory must hold `tokenizer.json`; its `tokenizer_config.json`, when present, gives the
+  bos/eos/pad tokens and the chat template. A bare file uses <|bos|>/<|eos|>/<|pad|> where the
+  vocabulary has them.
+  """
+  if os.path.isdir(path):
+    file = os.path.join(path, "tokenizer.json")
+    config_file = os.path.join(path, "tokenizer_config.json")
+  else:
+    file, config_file = path, None
+  if not os.path.exists(file):
+    raise FileNotFoundError(
+        f"no tokenizer at {file}: give a tokenizer.json or a HF checkpoint directory holding one")
+  hf = tokenizers.Tokenizer.from_file(file)
+  if config_file is not None and os.path.exists(config_file):
+    with open(config_file, encoding="utf-8") as f:
+      config = json.load(f)
+    return Tokenizer(hf, _token_name(config.get("bos_token")), _token_name(config.get("eos_token")),
+                     _token_name(config.get("pad_token")), _chat_template(config))
+  vocab = hf.get_vocab(with_added_tokens=True)
+  bos, eos, pad = (t if t in vocab else None for t in (BOS, EOS, PAD))
+  return Tokenizer(hf, bos, eos, pad)
+
+
+def _token_name(token) -> str | None:
+  # tokenizer_config.json writes special tokens as strings or as AddedToken dicts.
+  if isinstance(token, dict):
+    return token["content"]
+  return token
+
+
+def _chat_template(config: dict) -> str | None:
+  template = config.get("chat_template")
+  if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+    named = {t["name"]: t["template"] for t in template}
+    template = named.get("default")
+  return template
+
+
+def tokenizer_hash(tok: Tokenizer | tokenizers.Tokenizer) -> str:
+  """sha256 of what decides ids: normalizer, pre-tokenizer, model (vocab, merges), added tokens.
+
+  Runtime settings (padding, truncation), the post-processor and the decoder do not change the
+  ids this project stores, so they are left out: a teacher and student checkpoint that differ
+  only there share a hash.
+  """
+  hf = tok.hf if isinstance(tok, Tokenizer) else tok
+  spec = json.loads(hf.to_str())
+  model = dict(spec["model"])
+  if "merges" in model:  # older files write merges as "a b" strings, newer ones as pairs
+    model["merges"] = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model["merges"]]
+  added = sorted((t["id"], t["content"], t["special"]) for t in spec.get("added_tokens", []))
+  canonical = {"normalizer": spec.get("normalizer"), "pre_tokenizer": spec.get("pre_tokenizer"),
+               "model": model, "added_tokens": added}
+  text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+  return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def real_vocab_size(tok: Tokenizer | tokenizers.Tokenizer) -> int:
+  """Largest token id + 1, added tokens included (models may pad their vocab beyond it)."""
+  hf = tok.hf if isinstance(tok, Tokenizer) else tok
+  return max(hf.get_vocab(with_added_tokens=True).values()) + 1

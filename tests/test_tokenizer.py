@@ -1,0 +1,90 @@
+"""Tokenizer: local BPE training, loading files and HF dirs, hash stability and mismatches."""
+import itertools
+import json
+import os
+
+import pytest
+import tokenizers
+
+from kdjax import tokenizer
+from kdjax.data import sources
+
+
+@pytest.fixture(scope="module")
+def corpus():
+  return [d.text for d in itertools.islice(sources.documents("stdlib", max_bytes=300_000), 1000)]
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+  return tokenizer.train_bpe(iter(corpus), 512, path), path
+
+
+def test_train_bpe_roundtrip_and_specials(trained, corpus):
+  tok, path = trained
+  assert os.path.exists(path)
+  assert (tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2)
+  assert tokenizer.real_vocab_size(tok) == tok.vocab_size == 512
+  text = max(corpus, key=len)[:5000]
+  ids = tok.encode(text)
+  assert tok.decode(ids) == text
+  assert len(ids) < 0.7 * len(text.encode())  # 253 merges learned from code compress code
+  odd = "déjà vu ✓ 🐍 \t\r\n\x00"
+  assert tok.decode(tok.encode(odd)) == odd  # byte-level: every string round-trips
+  assert tok.encode("<|eos|>") == [tok.eos_id]
+
+
+def test_hash_stable_across_save_load_and_retraining(trained, corpus, tmp_path):
+  tok, path = trained
+  h = tokenizer.tokenizer_hash(tok)
+  assert len(h) == 64
+  assert tokenizer.tokenizer_hash(tokenizer.load(path)) == h
+  assert tokenizer.tokenizer_hash(tok.hf) == h
+  again = tokenizer.train_bpe(iter(corpus), 512, str(tmp_path / "again.json"))
+  assert tokenizer.tokenizer_hash(again) == h
+  # Padding/truncation settings do not change ids, so not the hash either.
+  hf = tokenizers.Tokenizer.from_file(path)
+  hf.enable_truncation(16)
+  assert tokenizer.tokenizer_hash(hf) == h
+
+
+def test_hash_detects_mismatches(trained, corpus, tmp_path):
+  tok, path = trained
+  h = tokenizer.tokenizer_hash(tok)
+  smaller = tokenizer.train_bpe(iter(corpus), 400, str(tmp_path / "small.json"))
+  other_data = tokenizer.train_bpe(iter(corpus[::-1][:5]), 512, str(tmp_path / "other.json"))
+  added = tokenizers.Tokenizer.from_file(path)
+  added.add_special_tokens(["<|extra|>"])
+  with open(path) as f:
+    spec = json.load(f)
+  spec["normalizer"] = {"type": "NFKC"}
+  normalized = tokenizers.Tokenizer.from_str(json.dumps(spec))
+  hashes = {tokenizer.tokenizer_hash(t) for t in (smaller, other_data, added, normalized)}
+  assert h not in hashes and len(hashes) == 4
+
+
+def test_load_hf_checkpoint_dir(trained, tmp_path):
+  tok, _ = trained
+  hf = tokenizers.Tokenizer.from_str(tok.hf.to_str())
+  hf.add_special_tokens(["<|begin_of_text|>", "<|eot_id|>"])
+  hf.save(str(tmp_path / "tokenizer.json"))
+  config = {"bos_token": {"content": "<|begin_of_text|>", "special": True}, "eos_token": "<|eot_id|>",
+            "pad_token": None, "chat_template": [{"name": "default", "template": "{{ messages }}"},
+                                                 {"name": "tool_use", "template": "x"}]}
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  loaded = tokenizer.load(str(tmp_path))
+  assert loaded.bos_token == "<|begin_of_text|>" and loaded.bos_id == 512
+  assert loaded.eos_id == 513 and loaded.pad_id is None
+  assert loaded.chat_template == "{{ messages }}"
+  assert tokenizer.real_vocab_size(loaded) == 514
+
+
+def test_save_as_dir_and_missing_path(trained, tmp_path):
+  tok, _ = trained
+  tokenizer.save(tok, str(tmp_path / "ckpt"))
+  loaded = tokenizer.load(str(tmp_path / "ckpt"))
+  assert (loaded.bos_token, loaded.eos_token, loaded.pad_token) == ("<|bos|>", "<|eos|>", "<|pad|>")
+  assert tokenizer.tokenizer_hash(loaded) == tokenizer.tokenizer_hash(tok)
+  with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+    tokenizer.load(str(tmp_path / "nowhere"))
