@@ -5,5 +5,6 @@
   packing.py   pack(token_docs, seq_len, bos_id=, eos_id=): greedy rows with segments
 """
 from kdjax.data.packing import Packer, pack
+from kdjax.data.sources import DataError, Document, documents, stdlib_files
 
-__all__ = ["Packer", "pack"]
+__all__ = ["DataError", "Document", "Packer", "documents", "pack", "stdlib_files"]

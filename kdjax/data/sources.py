@@ -1,0 +1,189 @@
+"""Document sources: streaming generators of `Document`s, never a whole dataset in memory.
+
+`documents(source, ...)` reads "stdlib" (the Python standard library's own .py files, the demo
+corpus present on every machine) or .jsonl / .parquet files whose records hold plain text or chat
+turns. Chat turns are rendered with the tokenizer's chat template (kdjax/data/chat.py).
+"""
+import collections
+import dataclasses
+import glob
+import json
+import os
+import sysconfig
+from collections.abc import Iterator
+
+import pyarrow.parquet as pq
+import tqdm
+
+from kdjax.data import chat
+
+# Directories of the standard library that are not library code (tests, the IDLE app, installed
+# third-party packages) or are vendored data.
+_STDLIB_SKIP = frozenset({"test", "tests", "idle_test", "idlelib", "site-packages", "dist-packages",
+                          "__pycache__", "turtledemo", "ensurepip", "lib2to3"})
+_PARQUET_BATCH = 256
+
+
+class DataError(ValueError):
+  """A source cannot be read as asked; the message names the file and document."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+  """One document.
+
+  `spans` are the [start, end) character ranges whose tokens are training targets; None means
+  the whole text (loss_mask="all"). `templated` documents come from a chat template, which
+  writes its own special tokens, so packing adds no bos/eos to them.
+  """
+  text: str
+  spans: tuple[tuple[int, int], ...] | None = None
+  templated: bool = False
+
+
+def documents(source: str, *, text_field: str = "text", messages_field: str = "messages",
+              chat_template: str | None = None, bos_token: str | None = None,
+              eos_token: str | None = None, loss_mask: str = "all", max_bytes: int = 0,
+              counts: collections.Counter | None = None) -> Iterator[Document]:
+  """Yields the documents of `source` in a fixed order.
+
+  Args:
+    source: "stdlib", or .jsonl / .parquet paths (comma separated; globs allowed, sorted).
+    text_field: record field holding plain text.
+    messages_field: record field holding chat turns [{role, content}, ...]; a record that has it
+      is rendered with `chat_template`, otherwise `text_field` is read.
+    chat_template: jinja2 template of a HF tokenizer_config.json; needed for chat records.
+    bos_token, eos_token: the template's `bos_token` / `eos_token` variables.
+    loss_mask: "all", or "assistant": only the assistant turns of chat records are targets
+      (plain-text records then count whole).
+    max_bytes: stop after the document that reaches this many UTF-8 bytes; 0 = no cap.
+    counts: optional Counter, updated with "docs", "bytes", "empty" (skipped empty documents)
+      and "undecodable" (stdlib files that are not UTF-8).
+  """
+  if loss_mask not in ("all", "assistant"):
+    raise DataError(f"loss_mask must be 'all' or 'assistant', got {loss_mask!r}")
+  counts = collections.Counter() if counts is None else counts
+  if source == "stdlib":
+    stream = _stdlib_texts(counts)
+  else:
+    renderer = chat.Renderer(chat_template, bos_token=bos_token, eos_token=eos_token,
+                             assistant_only=loss_mask == "assistant") if chat_template else None
+    stream = _record_documents(source_paths(source), text_field, messages_field, renderer, counts)
+  with tqdm.tqdm(desc=f"reading {source}", unit="B", unit_scale=True,
+                 total=max_bytes or None, disable=None) as bar:
+    for doc in stream:
+      if isinstance(doc, str):
+        doc = Document(doc)
+      if not doc.text.strip():
+        counts["empty"] += 1
+        continue
+      size = len(doc.text.encode("utf-8"))
+      counts["docs"] += 1
+      counts["bytes"] += size
+      bar.update(size)
+      yield doc
+      if max_bytes and counts["bytes"] >= max_bytes:
+        return
+
+
+def source_paths(source: str) -> list[str]:
+  """The files named by `source`: comma-separated paths or globs, each glob sorted."""
+  paths = []
+  for part in (p.strip() for p in source.split(",") if p.strip()):
+    matches = sorted(glob.glob(part)) if glob.has_magic(part) else [part]
+    if not matches:
+      raise DataError(f"{part}: no file matches")
+    for path in matches:
+      if not os.path.exists(path):
+        raise DataError(f"{path}: no such file (data.source takes 'stdlib' or .jsonl/.parquet)")
+      if not path.endswith((".jsonl", ".parquet")):
+        raise DataError(f"{path}: unknown format; use .jsonl or .parquet")
+      paths.append(path)
+  if not paths:
+    raise DataError(f"data source {source!r} names no file")
+  return paths
+
+
+def stdlib_files() -> list[str]:
+  """The standard library's .py files, sorted by relative path so every machine agrees."""
+  root = sysconfig.get_paths()["stdlib"]
+  files = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    # config-3.12-<platform> holds the build's python-config script.
+    dirnames[:] = sorted(d for d in dirnames
+                         if d not in _STDLIB_SKIP and not d.startswith("config-"))
+    files.extend(os.path.join(dirpath, f) for f in filenames if f.endswith(".py"))
+  return sorted(files, key=lambda f: os.path.relpath(f, root))
+
+
+def _stdlib_texts(counts: collections.Counter) -> Iterator[str]:
+  for path in stdlib_files():
+    with open(path, "rb") as f:
+      data = f.read()
+    try:
+      yield data.decode("utf-8")
+    except UnicodeDecodeError:  # a few files declare latin-1; skipped, not guessed
+      counts["undecodable"] += 1
+
+
+def _record_documents(paths, text_field, messages_field, renderer, counts) -> Iterator[Document]:
+  index = 0  # document index over all files, as error messages report it
+  for path in paths:
+    records = _jsonl_records(path) if path.endswith(".jsonl") else _parquet_records(
+        path, text_field, messages_field)
+    for where, record in records:
+      yield _record_document(record, f"{path}: {where} (document {index})", text_field,
+                             messages_field, renderer)
+      index += 1
+
+
+def _record_document(record, where, text_field, messages_field, renderer) -> Document:
+  if not isinstance(record, dict):
+    raise DataError(f"{where}: expected an object with a {text_field!r} field, got "
+                    f"{type(record).__name__}")
+  messages = record.get(messages_field)
+  if messages is not None:
+    if renderer is None:
+      raise DataError(f"{where}: chat record ({messages_field!r}) but the tokenizer has no "
+                      "chat_template; use a tokenizer dir whose tokenizer_config.json has one")
+    if not messages:
+      return Document("")
+    try:
+      text, spans = renderer.render(messages)
+    except chat.ChatTemplateError as e:
+      raise DataError(f"{where}: {e}") from e
+    return Document(text, spans, templated=True)
+  if text_field not in record:
+    raise DataError(f"{where}: missing field {text_field!r} (and no {messages_field!r}); "
+                    f"fields are {sorted(record)}; set data.text_field / data.messages_field")
+  text = record[text_field]
+  if text is None:
+    return Document("")
+  if not isinstance(text, str):
+    raise DataError(f"{where}: field {text_field!r} is {type(text).__name__}, not a string")
+  return Document(text)
+
+
+def _jsonl_records(path) -> Iterator[tuple[str, object]]:
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        yield f"line {lineno}", json.loads(line)
+      except json.JSONDecodeError as e:
+        raise DataError(f"{path}: line {lineno}: invalid JSON: {e}") from e
+
+
+def _parquet_records(path, text_field, messages_field) -> Iterator[tuple[str, object]]:
+  file = pq.ParquetFile(path)
+  names = file.schema_arrow.names
+  columns = [c for c in (text_field, messages_field) if c in names]
+  if not columns:
+    raise DataError(f"{path}: no column {text_field!r} or {messages_field!r}; columns are "
+                    f"{names}; set data.text_field / data.messages_field")
+  row = 0
+  for batch in file.iter_batches(batch_size=_PARQUET_BATCH, columns=columns):
+    for record in batch.to_pylist():
+      yield f"row {row}", record
+      row += 1
