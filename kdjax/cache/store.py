@@ -250,9 +250,9 @@ def _spec(num_seqs, seq_len, k, vocab_size, attrs, layout_name, region_rows):
           "dtypes": layout_lib.array_dtypes(k, vocab_size, layout_name)}
   if k > 0 and layout_name == "compact":
     spec["logprob_scale"] = layout_lib.LOGPROB_SCALE
-  clash = set(spec) & set(attrs)
+  clash = {key: (attrs[key], spec[key]) for key in set(spec) & set(attrs) if attrs[key] != spec[key]}
   if clash:
-    raise CacheError(f"attrs may not set {sorted(clash)}: they are derived from the arguments")
+    raise CacheError(f"attrs contradict the arguments (key: attrs vs arguments): {clash}")
   return {**attrs, **spec}
 
 
