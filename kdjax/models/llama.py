@@ -1,0 +1,284 @@
+"""Decoder-only Llama 3.x / Qwen3 (dense) transformer in Flax NNX.
+
+Shape letters: B batch, T query positions, S key positions (same tokens as T), D model width,
+V vocabulary, H query heads, G key/value heads, R query heads per key/value head (H = G * R),
+E head dim, F feed-forward width.
+
+Parameter layouts follow Hugging Face's math (rotate-half RoPE, RMSNorm in float32, SwiGLU), so
+checkpoints convert by transposes and reshapes only (see kdjax/models/hf.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.core import FrozenDict
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                      "original_max_position_embeddings")
+_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+           "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qk_norm", "dtype",
+           "param_dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shapes and numerics of one model. Hashable: it is static metadata of the NNX module."""
+  vocab_size: int             # rows of the embedding table (may include padding rows)
+  d_model: int                # D
+  n_layers: int
+  n_heads: int                # H
+  n_kv_heads: int             # G
+  head_dim: int               # E
+  d_ff: int                   # F
+  rope_theta: float
+  rope_scaling: Any           # None or llama3 dict: factor, low/high_freq_factor, original_max_...
+  norm_eps: float
+  tie_embeddings: bool
+  qk_norm: bool               # Qwen3: RMSNorm over E on queries and keys before RoPE
+  dtype: str = "float32"      # compute dtype
+  param_dtype: str = "float32"
+  # Ids >= real_vocab_size are padding rows of the embedding table (e.g. Qwen's 151936 rows for
+  # 151669 tokens); lm_head_DxV() drops them so they never enter a softmax. None: all rows real.
+  # Set by kdjax.models.hf from the checkpoint's tokenizer, not read from configs.
+  real_vocab_size: int | None = None
+
+  def __post_init__(self):
+    if self.rope_scaling is not None:
+      scaling = dict(self.rope_scaling)
+      kind = scaling.pop("rope_type", scaling.pop("type", "llama3"))
+      if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported; only 'llama3' is.")
+      missing = [k for k in _ROPE_SCALING_KEYS if k not in scaling]
+      if missing:
+        raise ValueError(f"rope_scaling lacks {missing}; llama3 scaling needs {_ROPE_SCALING_KEYS}.")
+      # FrozenDict keeps the config hashable (jit caches on the module's static metadata).
+      object.__setattr__(self, "rope_scaling",
+                         FrozenDict({k: float(scaling[k]) for k in _ROPE_SCALING_KEYS}))
+
+  @classmethod
+  def from_config(cls, group) -> "ModelConfig":
+    """Reads exactly the fields of ModelConfig from an ml_collections group (extras ignored)."""
+    rope_scaling = group.rope_scaling
+    if rope_scaling is not None and hasattr(rope_scaling, "to_dict"):
+      rope_scaling = rope_scaling.to_dict()
+    cfg = cls(
+        vocab_size=group.vocab_size, d_model=group.d_model, n_layers=group.n_layers,
+        n_heads=group.n_heads, n_kv_heads=group.n_kv_heads, head_dim=group.head_dim,
+        d_ff=group.d_ff, rope_theta=group.rope_theta, rope_scaling=rope_scaling,
+        norm_eps=group.norm_eps, tie_embeddings=group.tie_embeddings, qk_norm=group.qk_norm,
+        dtype=group.dtype, param_dtype=group.param_dtype)
+    cfg.validate()
+    return cfg
+
+  def validate(self) -> "ModelConfig":
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}.")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
+                       f"({self.n_kv_heads}) for grouped-query attention.")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}.")
+    if not self.rope_theta > 0 or not self.norm_eps > 0:
+      raise ValueError(f"rope_theta and norm_eps must be positive, got {self.rope_theta}, "
+                       f"{self.norm_eps}.")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f"ModelConfig.{name} must be one of {sorted(_DTYPES)}, "
+                         f"got {getattr(self, name)!r}.")
+    if self.real_vocab_size is not None and not 0 < self.real_vocab_size <= self.vocab_size:
+      raise ValueError(f"real_vocab_size ({self.real_vocab_size}) must be in "
+                       f"[1, vocab_size={self.vocab_size}].")
+    return self
+
+  @property
+  def output_vocab_size(self) -> int:
+    """Columns of lm_head_DxV(): the real vocabulary, without padding rows."""
+    return self.vocab_size if self.real_vocab_size is None else self.real_vocab_size
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+  """Inverse frequencies [E/2] in float32, with llama3 scaling when configured."""
+  e = cfg.head_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, e, 2, dtype=np.float64) / e))
+  if cfg.rope_scaling is not None:
+    s = cfg.rope_scaling
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen = old_len / s["low_freq_factor"]
+    high_wavelen = old_len / s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    scaled = np.where(wavelen > low_wavelen, inv_freq / s["factor"], inv_freq)
+    smooth = (old_len / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] -
+                                                             s["low_freq_factor"])
+    smoothed = (1 - smooth) * scaled / s["factor"] + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    inv_freq = np.where(medium, smoothed, scaled)
+  return inv_freq.astype(np.float32)
+
+
+def apply_rope(x_BxTxNxE: jax.Array, positions_BxT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotate-half RoPE (Hugging Face layout: pairs are (i, i + E/2)), computed in float32."""
+  inv_freq_11E2 = jnp.asarray(inv_freq)[None, None]
+  angles_BxTxE2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_11E2
+  cos_BxTx1xE2 = jnp.cos(angles_BxTxE2)[:, :, None, :]
+  sin_BxTx1xE2 = jnp.sin(angles_BxTxE2)[:, :, None, :]
+  x = x_BxTxNxE.astype(jnp.float32)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  out = jnp.concatenate([x1 * cos_BxTx1xE2 - x2 * sin_BxTx1xE2,
+                         x2 * cos_BxTx1xE2 + x1 * sin_BxTx1xE2], axis=-1)
+  return out.astype(x_BxTxNxE.dtype)
+
+
+def attention(q_BxTxHxE: jax.Array, k_BxSxGxE: jax.Array, v_BxSxGxE: jax.Array,
+              segment_ids_BxT: jax.Array) -> jax.Array:
+  """Causal, document-masked grouped-query attention: t sees s iff s <= t, same nonzero segment.
+
+  Plain einsum with an O(T^2) score matrix; the single place a flash/cuDNN kernel would go.
+  Scores, mask and softmax are float32. Padding queries (segment 0) return zeros.
+  """
+  b, t, h, e = q_BxTxHxE.shape
+  g = k_BxSxGxE.shape[2]
+  q_BxTxGxRxE = q_BxTxHxE.reshape(b, t, g, h // g, e)
+  scores_BxGxRxTxS = jnp.einsum("btgre,bsge->bgrts", q_BxTxGxRxE, k_BxSxGxE,
+                                preferred_element_type=jnp.float32) / math.sqrt(e)
+  idx_T = jnp.arange(t)
+  causal_TxS = idx_T[:, None] >= idx_T[None, :]
+  seg_q_BxTx1 = segment_ids_BxT[:, :, None]
+  seg_k_Bx1xS = segment_ids_BxT[:, None, :]
+  mask_BxTxS = causal_TxS[None] & (seg_q_BxTx1 == seg_k_Bx1xS) & (seg_q_BxTx1 != 0)
+  mask_Bx1x1xTxS = mask_BxTxS[:, None, None]
+  # A finite fill keeps fully masked (padding) rows NaN-free; they are zeroed below.
+  scores_BxGxRxTxS = jnp.where(mask_Bx1x1xTxS, scores_BxGxRxTxS, jnp.finfo(jnp.float32).min)
+  probs_BxGxRxTxS = jax.nn.softmax(scores_BxGxRxTxS, axis=-1)
+  probs_BxGxRxTxS = jnp.where(mask_Bx1x1xTxS, probs_BxGxRxTxS, 0.0)
+  out_BxTxGxRxE = jnp.einsum("bgrts,bsge->btgre", probs_BxGxRxTxS.astype(v_BxSxGxE.dtype),
+                             v_BxSxGxE, preferred_element_type=jnp.float32)
+  return out_BxTxGxRxE.reshape(b, t, h, e).astype(q_BxTxHxE.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  # float32 statistics and scale, as in Hugging Face's Llama/Qwen3, then back to compute dtype.
+  x32 = x.astype(jnp.float32)
+  x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  weight = weight.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + weight.shape)
+  return (x32 * weight).astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _init_arrays(key: jax.Array, specs: tuple, dtype: str) -> dict[str, jax.Array]:
+  """One compiled call per distinct spec (eager per-array init compiles once per shape)."""
+  keys = jax.random.split(key, len(specs))
+  return {name: (jnp.ones(shape, _DTYPES[dtype]) if std is None else
+                 (std * jax.random.normal(k, shape, jnp.float32)).astype(_DTYPES[dtype]))
+          for k, (name, shape, std) in zip(keys, specs)}
+
+
+def _init_params(module: nnx.Module, rngs: nnx.Rngs, specs: tuple, dtype: str) -> None:
+  """Sets module.<name> = Param for each (name, shape, std); std None means ones (norm scales)."""
+  for name, value in _init_arrays(rngs.params(), specs, dtype).items():
+    setattr(module, name, nnx.Param(value))
+
+
+class Block(nnx.Module):
+  """Pre-norm layer: x + attn(norm(x)); x + swiglu(norm(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, h, g, e, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    out_std = 1.0 / math.sqrt(2 * cfg.n_layers)  # residual branches sum over 2 * n_layers
+    self.cfg = cfg
+    specs = (("attn_norm_D", (d,), None),
+             ("wq_DxHxE", (d, h, e), d ** -0.5),
+             ("wk_DxGxE", (d, g, e), d ** -0.5),
+             ("wv_DxGxE", (d, g, e), d ** -0.5),
+             ("wo_HxExD", (h, e, d), (h * e) ** -0.5 * out_std),
+             ("mlp_norm_D", (d,), None),
+             ("w_gate_DxF", (d, f), d ** -0.5),
+             ("w_up_DxF", (d, f), d ** -0.5),
+             ("w_down_FxD", (f, d), f ** -0.5 * out_std))
+    if cfg.qk_norm:
+      specs += (("q_norm_E", (e,), None), ("k_norm_E", (e,), None))
+    _init_params(self, rngs, specs, cfg.param_dtype)
+
+  def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, inv_freq):
+    cfg = self.cfg
+    dt = _DTYPES[cfg.dtype]
+    y_BxTxD = rms_norm(x_BxTxD, self.attn_norm_D[...], cfg.norm_eps)
+    q_BxTxHxE = jnp.einsum("btd,dhe->bthe", y_BxTxD, self.wq_DxHxE[...].astype(dt))
+    k_BxTxGxE = jnp.einsum("btd,dge->btge", y_BxTxD, self.wk_DxGxE[...].astype(dt))
+    v_BxTxGxE = jnp.einsum("btd,dge->btge", y_BxTxD, self.wv_DxGxE[...].astype(dt))
+    if cfg.qk_norm:
+      q_BxTxHxE = rms_norm(q_BxTxHxE, self.q_norm_E[...], cfg.norm_eps)
+      k_BxTxGxE = rms_norm(k_BxTxGxE, self.k_norm_E[...], cfg.norm_eps)
+    q_BxTxHxE = apply_rope(q_BxTxHxE, positions_BxT, inv_freq)
+    k_BxTxGxE = apply_rope(k_BxTxGxE, positions_BxT, inv_freq)
+    a_BxTxHxE = attention(q_BxTxHxE, k_BxTxGxE, v_BxTxGxE, segment_ids_BxT)
+    x_BxTxD = x_BxTxD + jnp.einsum("bthe,hed->btd", a_BxTxHxE, self.wo_HxExD[...].astype(dt))
+
+    y_BxTxD = rms_norm(x_BxTxD, self.mlp_norm_D[...], cfg.norm_eps)
+    gate_BxTxF = jnp.einsum("btd,df->btf", y_BxTxD, self.w_gate_DxF[...].astype(dt))
+    up_BxTxF = jnp.einsum("btd,df->btf", y_BxTxD, self.w_up_DxF[...].astype(dt))
+    h_BxTxF = jax.nn.silu(gate_BxTxF) * up_BxTxF
+    return x_BxTxD + jnp.einsum("btf,fd->btd", h_BxTxF, self.w_down_FxD[...].astype(dt))
+
+
+class Transformer(nnx.Module):
+  """Embedding, n_layers Blocks (each rematerialised), final RMSNorm; lm_head kept separate."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    cfg.validate()
+    self.cfg = cfg
+    # std 0.02 as Hugging Face initialises Llama; with tied embeddings it also keeps the
+    # initial logits O(1) since the final norm output has unit scale per feature.
+    specs = (("embed_VxD", (cfg.vocab_size, cfg.d_model), 0.02),
+             ("final_norm_D", (cfg.d_model,), None))
+    if not cfg.tie_embeddings:
+      specs += (("unembed_DxV", (cfg.d_model, cfg.vocab_size), cfg.d_model ** -0.5),)
+    _init_params(self, rngs, specs, cfg.param_dtype)
+    self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+
+  def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT) -> jax.Array:
+    """Returns hidden_BxTxD after the final norm, in the compute dtype."""
+    cfg = self.cfg
+    dt = _DTYPES[cfg.dtype]
+    inv_freq = rope_inv_freq(cfg)
+    x_BxTxD = jnp.take(self.embed_VxD[...], tokens_BxT, axis=0).astype(dt)
+    # Per-layer rematerialisation: only each layer's input is kept for the backward pass, so
+    # activation memory is O(n_layers * B * T * D) plus one layer's working set.
+    run_block = nnx.remat(lambda block, x, pos, seg: block(x, pos, seg, inv_freq))
+    for block in self.layers:
+      x_BxTxD = run_block(block, x_BxTxD, positions_BxT, segment_ids_BxT)
+    return rms_norm(x_BxTxD, self.final_norm_D[...], cfg.norm_eps)
+
+  def lm_head_DxV(self) -> jax.Array:
+    """Output projection [D, V] in the compute dtype (tied: embedding.T), real vocabulary only."""
+    cfg = self.cfg
+    w_DxV = self.embed_VxD[...].T if cfg.tie_embeddings else self.unembed_DxV[...]
+    return w_DxV[:, :cfg.output_vocab_size].astype(_DTYPES[cfg.dtype])
+
+
+def count_params(model: nnx.Module) -> int:
+  """Number of parameters (tied embeddings counted once)."""
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  """Training FLOPs per token (forward + backward): 6 N + 12 L H E T, as in PaLM's MFU.
+
+  N counts matmul parameters (the lm_head included, the embedding lookup not). The attention
+  term counts the full T x T score matrix, which the einsum attention computes; remat
+  recomputation is not counted (model FLOPs, not hardware FLOPs).
+  """
+  d, h, g, e, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+  per_layer = d * h * e * 2 + d * g * e * 2 + 3 * d * f
+  n = cfg.n_layers * per_layer + d * cfg.output_vocab_size
+  return 6.0 * n + 12.0 * cfg.n_layers * h * e * seq_len

@@ -1,0 +1,213 @@
+"""Model invariants: shapes, causality, document isolation, padding, jit, GQA, tying, bf16."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from kdjax.models import llama
+from kdjax.models.llama import ModelConfig, Transformer
+
+B, T = 2, 12
+
+
+def make_cfg(**overrides) -> ModelConfig:
+  base = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+              d_ff=48, rope_theta=10000.0, rope_scaling=None, norm_eps=1e-6,
+              tie_embeddings=False, qk_norm=False, dtype="float32", param_dtype="float32")
+  base.update(overrides)
+  return ModelConfig(**base)
+
+
+def inputs(seed=0, vocab=97):
+  rng = np.random.default_rng(seed)
+  tokens = jnp.asarray(rng.integers(0, vocab, (B, T)), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  segment_ids = jnp.ones((B, T), jnp.int32)
+  return tokens, positions, segment_ids
+
+
+def attention_reference(q, k, v, seg):
+  """float64 loops over (b, t, h)."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  seg = np.asarray(seg)
+  b_, t_, h_, e_ = q.shape
+  r = h_ // k.shape[2]
+  out = np.zeros_like(q)
+  for b in range(b_):
+    for t in range(t_):
+      if seg[b, t] == 0:
+        continue
+      keys = [s for s in range(t + 1) if seg[b, s] == seg[b, t]]
+      for h in range(h_):
+        scores = np.array([q[b, t, h] @ k[b, s, h // r] for s in keys]) / np.sqrt(e_)
+        p = np.exp(scores - scores.max())
+        p /= p.sum()
+        out[b, t, h] = sum(pi * v[b, s, h // r] for pi, s in zip(p, keys))
+  return out
+
+
+def test_attention_matches_reference():
+  rng = np.random.default_rng(1)
+  q = rng.standard_normal((2, 7, 4, 8)).astype(np.float32)
+  k = rng.standard_normal((2, 7, 2, 8)).astype(np.float32)
+  v = rng.standard_normal((2, 7, 2, 8)).astype(np.float32)
+  seg = np.array([[1, 1, 1, 2, 2, 0, 0], [1, 2, 2, 2, 3, 3, 3]], np.int32)
+  out = llama.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(seg))
+  np.testing.assert_allclose(np.asarray(out), attention_reference(q, k, v, seg),
+                             rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_shapes_and_tying(tie):
+  cfg = make_cfg(tie_embeddings=tie)
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  hidden = model(*inputs())
+  assert hidden.shape == (B, T, cfg.d_model) and hidden.dtype == jnp.float32
+  head = model.lm_head_DxV()
+  assert head.shape == (cfg.d_model, cfg.vocab_size)
+  if tie:
+    np.testing.assert_array_equal(np.asarray(head), np.asarray(model.embed_VxD[...]).T)
+  untied = llama.count_params(Transformer(make_cfg(tie_embeddings=False), rngs=nnx.Rngs(0)))
+  tied = llama.count_params(Transformer(make_cfg(tie_embeddings=True), rngs=nnx.Rngs(0)))
+  assert untied - tied == cfg.vocab_size * cfg.d_model
+
+
+def test_real_vocab_drops_padding_rows():
+  cfg = make_cfg(tie_embeddings=True, real_vocab_size=90)
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  assert model.lm_head_DxV().shape == (cfg.d_model, 90)
+  with pytest.raises(ValueError, match="real_vocab_size"):
+    make_cfg(real_vocab_size=98).validate()
+
+
+def test_causality_through_gradients():
+  # Distinct tokens, so the gradient on embedding row tokens[s] belongs to position s only.
+  cfg = make_cfg(qk_norm=True)
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  tokens = jnp.asarray(np.random.default_rng(0).permutation(cfg.vocab_size)[:T][None], jnp.int32)
+  positions = jnp.arange(T, dtype=jnp.int32)[None]
+  segment_ids = jnp.ones((1, T), jnp.int32)
+  t = 5
+
+  def out_at_t(m):
+    return m(tokens, positions, segment_ids)[0, t].sum()
+
+  grads = nnx.grad(out_at_t)(model)
+  g_VxD = np.asarray(grads.embed_VxD[...])
+  row_norms_T = np.abs(g_VxD[np.asarray(tokens[0])]).sum(-1)
+  assert np.all(row_norms_T[: t + 1] > 0)
+  np.testing.assert_array_equal(row_norms_T[t + 1:], 0.0)
+
+
+def test_packed_documents_equal_separate_runs():
+  cfg = make_cfg(qk_norm=True)
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(3)
+  doc_a, doc_b = rng.integers(0, 97, 5), rng.integers(0, 97, 7)
+  packed = jnp.asarray(np.concatenate([doc_a, doc_b])[None], jnp.int32)
+  positions = jnp.asarray(np.concatenate([np.arange(5), np.arange(7)])[None], jnp.int32)
+  segment_ids = jnp.asarray(np.array([1] * 5 + [2] * 7)[None], jnp.int32)
+  hidden = np.asarray(model(packed, positions, segment_ids))
+  for doc, sl in ((doc_a, slice(0, 5)), (doc_b, slice(5, 12))):
+    n = len(doc)
+    alone = model(jnp.asarray(doc[None], jnp.int32), jnp.arange(n, dtype=jnp.int32)[None],
+                  jnp.ones((1, n), jnp.int32))
+    np.testing.assert_allclose(hidden[0, sl], np.asarray(alone[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_padding_changes_nothing_and_stays_finite():
+  model = Transformer(make_cfg(), rngs=nnx.Rngs(0))
+  tokens, positions, segment_ids = inputs()
+  hidden = model(tokens, positions, segment_ids)
+  pad = 4
+  padded = model(jnp.pad(tokens, ((0, 0), (0, pad)), constant_values=3),
+                 jnp.pad(positions, ((0, 0), (0, pad))),
+                 jnp.pad(segment_ids, ((0, 0), (0, pad))))
+  np.testing.assert_allclose(np.asarray(padded[:, :T]), np.asarray(hidden), rtol=1e-5, atol=1e-5)
+  assert np.all(np.isfinite(np.asarray(padded)))
+  grads = nnx.grad(lambda m: m(jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32),
+                               jnp.zeros((1, 4), jnp.int32)).sum())(model)
+  assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
+
+
+def test_jit_equals_eager():
+  model = Transformer(make_cfg(qk_norm=True), rngs=nnx.Rngs(0))
+  args = inputs()
+  jitted = nnx.jit(lambda m, *a: m(*a))(model, *args)
+  np.testing.assert_allclose(np.asarray(jitted), np.asarray(model(*args)), rtol=1e-5, atol=1e-5)
+
+
+def test_gqa_equals_mha_with_repeated_kv():
+  gqa = Transformer(make_cfg(n_heads=4, n_kv_heads=2), rngs=nnx.Rngs(0))
+  mha = Transformer(make_cfg(n_heads=4, n_kv_heads=4), rngs=nnx.Rngs(1))
+  mha.embed_VxD[...] = gqa.embed_VxD[...]
+  mha.unembed_DxV[...] = gqa.unembed_DxV[...]
+  for src, dst in zip(gqa.layers, mha.layers):
+    for name in ("attn_norm_D", "wq_DxHxE", "wo_HxExD", "mlp_norm_D", "w_gate_DxF", "w_up_DxF",
+                 "w_down_FxD"):
+      getattr(dst, name)[...] = getattr(src, name)[...]
+    # Query head h uses key/value head h // R.
+    dst.wk_DxGxE[...] = jnp.repeat(src.wk_DxGxE[...], 2, axis=1)
+    dst.wv_DxGxE[...] = jnp.repeat(src.wv_DxGxE[...], 2, axis=1)
+  args = inputs()
+  np.testing.assert_allclose(np.asarray(gqa(*args)), np.asarray(mha(*args)), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_close_to_float32():
+  cfg32 = make_cfg(qk_norm=True, tie_embeddings=True)
+  m32 = Transformer(cfg32, rngs=nnx.Rngs(0))
+  m16 = Transformer(dataclasses.replace(cfg32, dtype="bfloat16"), rngs=nnx.Rngs(0))
+  args = inputs()
+  h16 = m16(*args)
+  assert h16.dtype == jnp.bfloat16 and m16.lm_head_DxV().dtype == jnp.bfloat16
+  h32 = np.asarray(m32(*args))
+  err = np.abs(np.asarray(h16, np.float32) - h32).max() / np.abs(h32).max()
+  assert err < 5e-2
+  all_bf16 = Transformer(dataclasses.replace(cfg32, dtype="bfloat16", param_dtype="bfloat16"),
+                         rngs=nnx.Rngs(0))
+  assert np.all(np.isfinite(np.asarray(all_bf16(*args), np.float32)))
+
+
+def test_llama3_rope_scaling():
+  scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                 original_max_position_embeddings=64)
+  plain = llama.rope_inv_freq(make_cfg(head_dim=16))
+  scaled = llama.rope_inv_freq(make_cfg(head_dim=16, rope_scaling=scaling))
+  wavelen = 2 * np.pi / plain
+  np.testing.assert_allclose(scaled[wavelen < 16], plain[wavelen < 16])  # high frequencies kept
+  np.testing.assert_allclose(scaled[wavelen > 64], plain[wavelen > 64] / 8, rtol=1e-6)
+  assert np.all(scaled <= plain)
+  model = Transformer(make_cfg(rope_scaling=scaling), rngs=nnx.Rngs(0))
+  hash(model.cfg)  # static metadata must stay hashable
+  with pytest.raises(ValueError, match="only 'llama3'"):
+    make_cfg(rope_scaling=dict(rope_type="yarn", factor=2.0))
+
+
+def test_from_config_and_validation():
+  group = ml_collections.ConfigDict(dict(
+      checkpoint="", vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+      d_ff=48, rope_theta=5e5, norm_eps=1e-5, tie_embeddings=True, qk_norm=False,
+      dtype="bfloat16", param_dtype="float32",
+      rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                        original_max_position_embeddings=8192)))
+  cfg = ModelConfig.from_config(group)
+  assert cfg.d_model == 32 and cfg.rope_scaling["factor"] == 8.0 and cfg.dtype == "bfloat16"
+  with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+    make_cfg(n_heads=4, n_kv_heads=3).validate()
+  with pytest.raises(ValueError, match="d_model must be a positive integer"):
+    make_cfg(d_model=0).validate()
+  with pytest.raises(ValueError, match="dtype"):
+    make_cfg(dtype="float16").validate()
+
+
+def test_flops_per_token():
+  cfg = make_cfg(tie_embeddings=False)
+  n_matmul = llama.count_params(Transformer(cfg, rngs=nnx.Rngs(0)))
+  n_matmul -= cfg.vocab_size * cfg.d_model  # embedding lookup
+  n_matmul -= cfg.n_layers * 2 * cfg.d_model + cfg.d_model  # norms
+  attn = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 64
+  assert llama.flops_per_token(cfg, 64) == 6 * n_matmul + attn
