@@ -3,8 +3,11 @@
   sources.py   documents(source, ...): "stdlib" or .jsonl/.parquet, streamed
   chat.py      chat templates rendered as transformers does, with assistant spans
   packing.py   pack(token_docs, seq_len, bos_id=, eos_id=): greedy rows with segments
+  stage.py     build(c.data, ...): the stage; build_stores(...): its tokenise-pack-write core
 """
+from kdjax.data.stage import build, build_stores, tokenize
 from kdjax.data.packing import Packer, pack
 from kdjax.data.sources import DataError, Document, documents, stdlib_files
 
-__all__ = ["DataError", "Document", "Packer", "documents", "pack", "stdlib_files"]
+__all__ = ["DataError", "Document", "Packer", "build", "build_stores", "documents", "pack",
+           "stdlib_files", "tokenize"]

@@ -18,9 +18,10 @@ import tqdm
 from kdjax.data import chat
 
 # Directories of the standard library that are not library code (tests, the IDLE app, installed
-# third-party packages) or are vendored data.
+# third-party packages) or are mostly data (codec tables, pydoc's help text).
 _STDLIB_SKIP = frozenset({"test", "tests", "idle_test", "idlelib", "site-packages", "dist-packages",
-                          "__pycache__", "turtledemo", "ensurepip", "lib2to3"})
+                          "__pycache__", "turtledemo", "ensurepip", "lib2to3", "encodings",
+                          "pydoc_data"})
 _PARQUET_BATCH = 256
 
 

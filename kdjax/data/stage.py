@@ -1,0 +1,197 @@
+"""The data stage: documents -> tokens -> packed rows -> two k=0 sequence stores (train, eval).
+
+Documents 0, n, 2n, ... (n = eval_every) are held out, so the split depends only on the source's
+order and the eval split is never empty. The number of rows is only known once the source has been streamed,
+so rows are spooled to raw files beside the output and copied into the stores in blocks: memory
+stays at one block whatever the corpus size.
+"""
+import collections
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+
+import numpy as np
+import tqdm
+
+from kdjax import cache, tokenizer
+from kdjax.data import packing, sources
+
+FORMAT = "kdjax.data/1"
+_ENCODE_BATCH = 64  # documents per encode_batch call (Rust threads tokenise a batch in parallel)
+_ARRAYS = {"tokens": np.int32, "segment_ids": np.int32, "positions": np.int32,
+           "loss_mask": np.bool_}
+
+
+def build(c, *, tokenizer_path: str, train_path: str, eval_path: str) -> None:
+  """Runs the data stage from the `c.data` config group.
+
+  Loads `c.tokenizer`, or trains a BPE of `c.vocab_size` on the training documents and writes
+  it to `tokenizer_path` (kept for later runs), then writes the stores unless they are complete.
+  """
+  if c.tokenizer:
+    tok = tokenizer.load(c.tokenizer)
+  elif os.path.exists(tokenizer_path):
+    tok = tokenizer.load(tokenizer_path)
+    if tokenizer.real_vocab_size(tok) > c.vocab_size:
+      raise sources.DataError(
+          f"{tokenizer_path} has {tokenizer.real_vocab_size(tok)} tokens but data.vocab_size is "
+          f"{c.vocab_size}: delete the workdir's data/ to retokenise")
+  else:
+    texts = (d.text for i, d in enumerate(sources.documents(
+        c.source, text_field=c.text_field, messages_field=c.messages_field,
+        max_bytes=c.max_bytes)) if not _held_out(i, c.eval_every))
+    logging.info("training a %d-token BPE on %s", c.vocab_size, c.source)
+    tok = tokenizer.train_bpe(texts, c.vocab_size, tokenizer_path)
+  build_stores(c.source, tok, c.seq_len, train_path, eval_path, eval_every=c.eval_every,
+               max_bytes=c.max_bytes, text_field=c.text_field, messages_field=c.messages_field,
+               loss_mask=c.loss_mask)
+
+
+def build_stores(source: str, tok: tokenizer.Tokenizer, seq_len: int, train_path: str,
+                 eval_path: str, *, eval_every: int, max_bytes: int = 0, text_field: str = "text",
+                 messages_field: str = "messages", loss_mask: str = "all") -> dict:
+  """Tokenises and packs `source` into two k=0 stores; skips work if both are complete.
+
+  Args:
+    source: "stdlib" or .jsonl/.parquet paths (see `sources.documents`).
+    tok: the tokenizer; its chat template renders chat records.
+    seq_len: tokens per row.
+    train_path, eval_path: output store directories.
+    eval_every: documents 0, eval_every, 2 * eval_every, ... go to the eval store.
+    max_bytes: stop reading after this many bytes of text; 0 = no cap.
+    text_field, messages_field, loss_mask: see `sources.documents`.
+
+  Returns:
+    Counts: documents, bytes, empty documents skipped, tokens and rows per split.
+  """
+  tok_hash = tokenizer.tokenizer_hash(tok)
+  identity = {"tokenizer_hash": tok_hash, "source": source, "data_format": FORMAT,
+              "eval_every": eval_every, "max_bytes": max_bytes, "loss_mask": loss_mask,
+              "text_field": text_field, "messages_field": messages_field}
+  if _complete(train_path, seq_len, identity) and _complete(eval_path, seq_len, identity):
+    logging.info("data: %s and %s are complete; skipping", train_path, eval_path)
+    return {}
+  counts = collections.Counter()
+  docs = sources.documents(source, text_field=text_field, messages_field=messages_field,
+                           chat_template=tok.chat_template, bos_token=tok.bos_token,
+                           eos_token=tok.eos_token, loss_mask=loss_mask, max_bytes=max_bytes,
+                           counts=counts)
+  packers = [packing.Packer(seq_len, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id or 0)
+             for _ in range(2)]
+  spools = [_Spool(f"{path}.rows.tmp", seq_len) for path in (train_path, eval_path)]
+  try:
+    for i, (doc, ids, targets) in enumerate(_tokenized(docs, tok)):
+      split = int(_held_out(i, eval_every))
+      counts[("train_tokens", "eval_tokens")[split]] += len(ids)
+      spools[split].extend(packers[split].push((ids, targets), add_specials=not doc.templated))
+    for packer, spool in zip(packers, spools):
+      spool.extend(packer.close())
+    for split, spool in zip(("train", "eval"), spools):
+      if spool.rows == 0:
+        raise sources.DataError(
+            f"{source}: the {split} split is empty ({counts['docs']} documents, "
+            f"eval_every={eval_every}); add data or change data.eval_every / data.max_bytes")
+      counts[f"{split}_rows"] = spool.rows
+    attrs = {**identity, "documents": counts["docs"], "empty_documents": counts["empty"]}
+    for split, path, spool in zip(("train", "eval"), (train_path, eval_path), spools):
+      spool.copy_to(path, {**attrs, "split": split}, tokenizer.real_vocab_size(tok))
+  finally:
+    for spool in spools:
+      spool.remove()
+  logging.info("data: %d documents (%d empty skipped), %d bytes -> train %d rows, eval %d rows",
+               counts["docs"], counts["empty"], counts["bytes"], counts["train_rows"],
+               counts["eval_rows"])
+  return dict(counts)
+
+
+def _held_out(index: int, eval_every: int) -> bool:
+  return index % eval_every == 0
+
+
+def _complete(path: str, seq_len: int, identity: dict) -> bool:
+  """Whether `path` holds a finished store of this data; raises if it holds other data."""
+  if not os.path.exists(path):
+    return False
+  try:
+    store = cache.open(path, k=0, seq_len=seq_len, allow_partial=True)
+  except cache.CacheError as e:
+    raise sources.DataError(f"{e} (delete {path} to rebuild it)") from e
+  differ = {k: (store.attrs.get(k), v) for k, v in identity.items() if store.attrs.get(k) != v}
+  if differ:
+    raise sources.DataError(f"{path} was built from other data (key: stored vs wanted): "
+                            f"{differ}; delete it to rebuild, or change data.* back")
+  return not store.missing()
+
+
+def tokenize(docs, tok: tokenizer.Tokenizer) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+  """Yields (ids [n] int32, targets [n] bool) per document, in order.
+
+  A token is a target when its characters overlap one of the document's spans (all tokens when
+  the document has no spans).
+  """
+  for _, ids, targets in _tokenized(docs, tok):
+    yield ids, targets
+
+
+def _tokenized(docs, tok) -> Iterator[tuple[sources.Document, np.ndarray, np.ndarray]]:
+  batch = []
+  for doc in docs:
+    batch.append(doc)
+    if len(batch) == _ENCODE_BATCH:
+      yield from _encode(batch, tok)
+      batch = []
+  yield from _encode(batch, tok)
+
+
+def _encode(batch, tok) -> Iterator[tuple[sources.Document, np.ndarray, np.ndarray]]:
+  if not batch:
+    return
+  encodings = tok.hf.encode_batch([d.text for d in batch], add_special_tokens=False)
+  for doc, enc in zip(batch, encodings):
+    ids = np.asarray(enc.ids, np.int32)
+    if doc.spans is None:
+      yield doc, ids, np.ones(ids.shape, np.bool_)
+      continue
+    offsets_Nx2 = np.asarray(enc.offsets, np.int64).reshape(-1, 2)
+    targets = np.zeros(ids.shape, np.bool_)
+    for start, stop in doc.spans:
+      targets |= (offsets_Nx2[:, 0] < stop) & (offsets_Nx2[:, 1] > start)
+    yield doc, ids, targets
+
+
+class _Spool:
+  """Rows appended to one raw file per array; read back through np.memmap."""
+
+  def __init__(self, directory: str, seq_len: int):
+    shutil.rmtree(directory, ignore_errors=True)
+    os.makedirs(directory)
+    self.directory, self.seq_len, self.rows = directory, seq_len, 0
+    self.files = {name: open(os.path.join(directory, name), "wb") for name in _ARRAYS}
+
+  def extend(self, rows: list[dict[str, np.ndarray]]) -> None:
+    for row in rows:
+      for name, dtype in _ARRAYS.items():
+        self.files[name].write(row[name].astype(dtype, copy=False).tobytes())
+      self.rows += 1
+
+  def copy_to(self, path: str, attrs: dict, vocab_size: int) -> None:
+    for f in self.files.values():
+      f.close()
+    arrays = {name: np.memmap(os.path.join(self.directory, name), dtype=dtype, mode="r",
+                              shape=(self.rows, self.seq_len)) for name, dtype in _ARRAYS.items()}
+    store = cache.create(path, num_seqs=self.rows, seq_len=self.seq_len, k=0,
+                         vocab_size=vocab_size, attrs=attrs)
+    # Whole regions per write (the store's unit of crash safety); only those not yet written,
+    # so an interrupted build resumes.
+    with tqdm.tqdm(total=self.rows, desc=f"writing {path}", unit="row", disable=None) as bar:
+      for lo, hi in store.missing():
+        for start in range(lo, hi, store.region_rows):
+          stop = min(hi, start + store.region_rows)
+          store.write(start, {name: np.asarray(a[start:stop]) for name, a in arrays.items()})
+          bar.update(stop - start)
+
+  def remove(self) -> None:
+    for f in self.files.values():
+      f.close()
+    shutil.rmtree(self.directory, ignore_errors=True)

@@ -1,0 +1,92 @@
+"""The data stage end to end: source -> tokenizer -> packed k=0 stores, skip and resume."""
+import json
+
+import ml_collections
+import numpy as np
+import pytest
+
+from kdjax import cache, tokenizer
+from kdjax.data import sources, stage
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+  texts = [d.text for d in sources.documents("stdlib", max_bytes=100_000)]
+  return tokenizer.train_bpe(texts, 320, str(tmp_path_factory.mktemp("t") / "tokenizer.json"))
+
+
+def write_jsonl(path, n):
+  path.write_text("".join(json.dumps({"text": f"document {i}: " + "word " * (i % 7)}) + "\n"
+                          for i in range(n)) + json.dumps({"text": ""}) + "\n")
+  return str(path)
+
+
+def test_build_stores_split_contents_and_skip(tok, tmp_path):
+  source = write_jsonl(tmp_path / "d.jsonl", 30)
+  train, eval_ = str(tmp_path / "train.zarr"), str(tmp_path / "eval.zarr")
+  counts = stage.build_stores(source, tok, 16, train, eval_, eval_every=5)
+  assert counts["docs"] == 30 and counts["empty"] == 1
+  h = tokenizer.tokenizer_hash(tok)
+  stores = [cache.open(p, k=0, seq_len=16, tokenizer_hash=h, vocab_size=320) for p in (train, eval_)]
+  assert [s.num_seqs for s in stores] == [counts["train_rows"], counts["eval_rows"]]
+  assert stores[1].attrs["split"] == "eval" and stores[0].attrs["source"] == source
+  # Eval holds documents 0, 5, 10, ... (every 5th); train the others, in order.
+  for store, wanted in zip(stores, ([i for i in range(30) if i % 5], range(0, 30, 5))):
+    rows = store.read(slice(0, store.num_seqs))
+    assert rows["tokens"].dtype == np.int32 and rows["loss_mask"].dtype == np.bool_
+    texts = []
+    for r in range(store.num_seqs):
+      for s in range(1, rows["segment_ids"][r].max() + 1):
+        texts.append(tok.decode(rows["tokens"][r][rows["segment_ids"][r] == s]))
+    joined = "".join(texts)
+    expected = "".join(f"<|bos|>document {i}: " + "word " * (i % 7) + "<|eos|>" for i in wanted)
+    assert joined == expected
+  # Complete stores are not rebuilt.
+  assert stage.build_stores(source, tok, 16, train, eval_, eval_every=5) == {}
+  with pytest.raises(sources.DataError, match="other data"):
+    stage.build_stores(source, tok, 16, train, eval_, eval_every=4)
+
+
+def test_interrupted_build_resumes(tok, tmp_path):
+  source = write_jsonl(tmp_path / "d.jsonl", 40)
+  train, eval_ = str(tmp_path / "train.zarr"), str(tmp_path / "eval.zarr")
+  stage.build_stores(source, tok, 8, train, eval_, eval_every=3)
+  reference = cache.open(train).read(slice(0, None))
+  # Forget the regions' completion records, as after a crash: the stores become incomplete.
+  store = cache.open(train)
+  for region in range(store.num_regions):
+    (tmp_path / "train.zarr" / "manifest" / store.region_record_path(region).split("/")[-1]
+     ).unlink(missing_ok=True)
+  with pytest.raises(cache.CacheError, match="incomplete"):
+    cache.open(train)
+  assert stage.build_stores(source, tok, 8, train, eval_, eval_every=3)["train_rows"] > 0
+  again = cache.open(train).read(slice(0, None))
+  for name in reference:
+    np.testing.assert_array_equal(again[name], reference[name])
+
+
+def test_empty_split_is_an_error_and_leaves_nothing(tok, tmp_path):
+  source = write_jsonl(tmp_path / "d.jsonl", 1)
+  with pytest.raises(sources.DataError, match="train split is empty"):
+    stage.build_stores(source, tok, 16, str(tmp_path / "a"), str(tmp_path / "b"), eval_every=5)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]
+
+
+def test_build_from_config_trains_tokenizer_on_stdlib(tmp_path):
+  c = ml_collections.ConfigDict(dict(
+      source="stdlib", text_field="text", messages_field="messages", loss_mask="all",
+      max_bytes=60_000, seq_len=32, eval_every=10, tokenizer="", vocab_size=300))
+  paths = dict(tokenizer_path=str(tmp_path / "data" / "tokenizer.json"),
+               train_path=str(tmp_path / "data" / "train.zarr"),
+               eval_path=str(tmp_path / "data" / "eval.zarr"))
+  stage.build(c, **paths)
+  tok = tokenizer.load(paths["tokenizer_path"])
+  assert tokenizer.real_vocab_size(tok) == 300
+  train = cache.open(paths["train_path"], k=0, seq_len=32,
+                     tokenizer_hash=tokenizer.tokenizer_hash(tok))
+  rows = train.read(slice(0, 4))
+  assert rows["tokens"][0, 0] == tok.bos_id and rows["loss_mask"].any()
+  assert (rows["segment_ids"] != 0).mean() > 0.9  # code files are long: little padding
+  stage.build(c, **paths)  # complete: skipped, tokenizer kept
+  assert tokenizer.tokenizer_hash(tokenizer.load(paths["tokenizer_path"])) == \
+      tokenizer.tokenizer_hash(tok)
