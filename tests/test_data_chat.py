@@ -181,3 +181,24 @@ def test_offsets_map_spans_to_tokens(base_tokenizer):
     assert t == (a < 6 and b > 2)
   assert targets.any() and not targets.all()
   np.testing.assert_array_equal(ids, enc.ids)
+
+
+def test_generation_marks_edge_cases():
+  r = renderer(LLAMA3_GENERATION)
+  text, spans = r.render(CONVERSATION[:2])
+  assert spans == () and "\ue000" not in text
+  with pytest.raises(chat.ChatTemplateError, match="U\\+E000"):
+    r.render([{"role": "user", "content": "odd \ue000 char"}])
+
+
+def test_conversation_without_assistant_turn_is_skipped(base_tokenizer, tmp_path):
+  tok = checkpoint(tmp_path, base_tokenizer, LLAMA_SPECIALS,
+                   {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+                    "chat_template": LLAMA3})
+  path = tmp_path / "chat.jsonl"
+  records = [{"messages": CONVERSATION}] * 2 + [{"messages": CONVERSATION[:2]}] * 2
+  path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  counts = stage.build_stores(str(path), tok, 64, str(tmp_path / "tr"), str(tmp_path / "ev"),
+                              eval_every=2, loss_mask="assistant")
+  assert counts["docs"] == 4 and counts["no_targets"] == 2
+  assert counts["train_rows"] == counts["eval_rows"] == 1

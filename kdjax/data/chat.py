@@ -75,6 +75,7 @@ class Renderer:
   def __init__(self, template: str, *, bos_token: str | None, eos_token: str | None,
                assistant_only: bool):
     self.template = compile_template(template)
+    self.marks = "endgeneration" in template
     self.bos_token = bos_token or ""
     self.eos_token = eos_token or ""
     self.assistant_only = assistant_only
@@ -94,9 +95,10 @@ class Renderer:
     """Returns (text, spans); spans is None unless assistant_only."""
     _check_messages(messages)
     text = self._render(messages)
-    if _OPEN in text or _CLOSE in text:
-      if any(c in m.get("content") or "" for m in messages for c in (_OPEN, _CLOSE)):
-        raise ChatTemplateError("message content holds private-use characters U+E000/U+E001")
+    if self.marks:
+      if any(c in str(m["content"]) for m in messages for c in (_OPEN, _CLOSE)):
+        raise ChatTemplateError("message content holds the private-use characters U+E000/U+E001 "
+                                "that mark {% generation %} output")
       text, spans = _strip_marks(text)
       return text, spans if self.assistant_only else None
     if not self.assistant_only:

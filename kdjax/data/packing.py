@@ -121,20 +121,21 @@ class _Row:
 
   def flush(self) -> dict[str, np.ndarray]:
     T = self.seq_len
-    tokens = np.full(T, self.pad_id, np.int32)
-    segment_ids = np.zeros(T, np.int32)
-    positions = np.zeros(T, np.int32)
-    targets = np.zeros(T, np.bool_)
+    tokens_T = np.full(T, self.pad_id, np.int32)
+    segment_ids_T = np.zeros(T, np.int32)
+    positions_T = np.zeros(T, np.int32)
+    targets_T = np.zeros(T, np.bool_)
     start = 0
-    for segment, (ids, piece_targets) in enumerate(self.pieces, 1):
+    for segment, (ids, targets) in enumerate(self.pieces, 1):
       stop = start + len(ids)
-      tokens[start:stop] = ids
-      segment_ids[start:stop] = segment
-      positions[start:stop] = np.arange(len(ids), dtype=np.int32)
-      targets[start:stop] = piece_targets
+      tokens_T[start:stop] = ids
+      segment_ids_T[start:stop] = segment
+      positions_T[start:stop] = np.arange(len(ids), dtype=np.int32)
+      targets_T[start:stop] = targets
       start = stop
-    loss_mask = np.zeros(T, np.bool_)
-    loss_mask[:-1] = (segment_ids[:-1] != 0) & (segment_ids[1:] == segment_ids[:-1]) & targets[1:]
+    loss_mask_T = np.zeros(T, np.bool_)
+    loss_mask_T[:-1] = ((segment_ids_T[:-1] != 0) & (segment_ids_T[1:] == segment_ids_T[:-1])
+                        & targets_T[1:])
     self.pieces, self.used = [], 0
-    return {"tokens": tokens, "segment_ids": segment_ids, "positions": positions,
-            "loss_mask": loss_mask}
+    return {"tokens": tokens_T, "segment_ids": segment_ids_T, "positions": positions_T,
+            "loss_mask": loss_mask_T}

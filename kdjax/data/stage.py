@@ -63,7 +63,8 @@ def build_stores(source: str, tok: tokenizer.Tokenizer, seq_len: int, train_path
     text_field, messages_field, loss_mask: see `sources.documents`.
 
   Returns:
-    Counts: documents, bytes, empty documents skipped, tokens and rows per split.
+    Counts: documents, bytes, skipped documents (empty; without any target token), tokens and
+    rows per split.
   """
   tok_hash = tokenizer.tokenizer_hash(tok)
   identity = {"tokenizer_hash": tok_hash, "source": source, "data_format": FORMAT,
@@ -82,6 +83,9 @@ def build_stores(source: str, tok: tokenizer.Tokenizer, seq_len: int, train_path
   spools = [_Spool(f"{path}.rows.tmp", seq_len) for path in (train_path, eval_path)]
   try:
     for i, (doc, ids, targets) in enumerate(_tokenized(docs, tok)):
+      if not targets.any():  # e.g. no assistant turn under loss_mask="assistant": nothing to learn
+        counts["no_targets"] += 1
+        continue
       split = int(_held_out(i, eval_every))
       counts[("train_tokens", "eval_tokens")[split]] += len(ids)
       spools[split].extend(packers[split].push((ids, targets), add_specials=not doc.templated))
@@ -93,15 +97,16 @@ def build_stores(source: str, tok: tokenizer.Tokenizer, seq_len: int, train_path
             f"{source}: the {split} split is empty ({counts['docs']} documents, "
             f"eval_every={eval_every}); add data or change data.eval_every / data.max_bytes")
       counts[f"{split}_rows"] = spool.rows
-    attrs = {**identity, "documents": counts["docs"], "empty_documents": counts["empty"]}
+    attrs = {**identity, "documents": counts["docs"], "empty_documents": counts["empty"],
+             "documents_without_targets": counts["no_targets"]}
     for split, path, spool in zip(("train", "eval"), (train_path, eval_path), spools):
       spool.copy_to(path, {**attrs, "split": split}, tokenizer.real_vocab_size(tok))
   finally:
     for spool in spools:
       spool.remove()
-  logging.info("data: %d documents (%d empty skipped), %d bytes -> train %d rows, eval %d rows",
-               counts["docs"], counts["empty"], counts["bytes"], counts["train_rows"],
-               counts["eval_rows"])
+  logging.info("data: %d documents (skipped: %d empty, %d without targets), %d bytes -> "
+               "train %d rows, eval %d rows", counts["docs"], counts["empty"],
+               counts["no_targets"], counts["bytes"], counts["train_rows"], counts["eval_rows"])
   return dict(counts)
 
 
