@@ -10,6 +10,7 @@ Shape letters: S rows (sequences), T positions, K top-k entries. See ARCHITECTUR
 `python -m kdjax.cache info|verify PATH` inspects a store.
 """
 from kdjax.cache.loader import Loader
-from kdjax.cache.store import CacheError, Store, create, open
+from kdjax.cache.errors import CacheError
+from kdjax.cache.store import Store, create, open
 
 __all__ = ["CacheError", "Loader", "Store", "create", "open"]

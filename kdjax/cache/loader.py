@@ -12,7 +12,7 @@ import weakref
 
 import numpy as np
 
-from kdjax.cache.store import CacheError
+from kdjax.cache.errors import CacheError
 
 
 # Prefetch threads are stopped before interpreter shutdown: a daemon thread killed inside a

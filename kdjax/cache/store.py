@@ -19,11 +19,9 @@ import zlib
 import numpy as np
 import tensorstore as ts
 
+from kdjax.cache import integrity
 from kdjax.cache import layout as layout_lib
-
-
-class CacheError(Exception):
-  """A store is missing, incomplete, corrupt, or does not match what the caller expects."""
+from kdjax.cache.errors import CacheError
 
 
 _UNCHECKED_KEYS = ("created",)  # differs between runs of the same spec
@@ -55,14 +53,6 @@ def _write_json_atomic(path, obj, *, exclusive=False):
 def _read_json(path):
   with builtins.open(path) as f:
     return json.load(f)
-
-
-def file_crc32(path):
-  crc = 0
-  with builtins.open(path, "rb") as f:
-    while block := f.read(1 << 24):
-      crc = zlib.crc32(block, crc)
-  return crc
 
 
 class Store:
@@ -185,7 +175,7 @@ class Store:
     files = {}
     for name in self.dtypes:
       shard = self.shard_path(name, region)
-      files[name] = {"bytes": os.path.getsize(shard), "crc32": file_crc32(shard)}
+      files[name] = {"bytes": os.path.getsize(shard), "crc32": integrity.file_crc32(shard)}
     record = {"region": region, "start": start, "stop": stop, "files": files}
     record["record_crc32"] = zlib.crc32(json.dumps(record, sort_keys=True).encode())
     _write_json_atomic(self.region_record_path(region), record)
@@ -204,17 +194,20 @@ class Store:
       index, inverse = np.unique(np.asarray(rows, np.int64), return_inverse=True)
       if len(index) and (index[0] < 0 or index[-1] >= self.num_seqs):
         raise CacheError(f"{self.path}: rows must lie in 0..{self.num_seqs}")
+    where = f"{self.path}: rows {_describe_rows(rows)}"
+    fix = (f"The store is corrupt: run `python -m kdjax.cache verify --fix {self.path}`, then "
+           f"re-run the stage that wrote it to rewrite the bad regions.")
     futures = {name: arr[index].read() for name, arr in self._arrays.items()}
-    out = {name: future.result() for name, future in futures.items()}
+    try:
+      out = {name: future.result() for name, future in futures.items()}
+    except ValueError as e:  # tensorstore: checksum mismatch, truncated or unreadable shard
+      raise CacheError(f"{where}: {e}. {fix}") from e
     if inverse is not None:
       out = {name: arr[inverse] for name, arr in out.items()}
     out["tokens"] = out["tokens"].astype(np.int32)
     if self.k > 0:
       out["topk_ids"], out["topk_logprobs"] = layout_lib.decode_topk(
           out["topk_ids"], out["topk_logprobs"], self.dtypes)
-      where = f"{self.path}: rows {_describe_rows(rows)}"
-      fix = ("The cache is corrupt: run `python -m kdjax.cache verify --fix PATH`, then re-run "
-             "the teacher stage to rewrite the bad regions.")
       _check_ids(out["topk_ids"], self.vocab_size, where, fix)
       _check_logprobs(out["topk_logprobs"], where, fix)
     return out
@@ -305,7 +298,8 @@ def open(path, *, vocab_size=None, k=None, seq_len=None, tokenizer_hash=None, al
   Args:
     path: directory of the store.
     vocab_size, k, seq_len, tokenizer_hash: expected values; None skips the check.
-    allow_partial: accept a store whose writer has not finished (to inspect it).
+    allow_partial: accept a store whose writer has not finished, and skip the check of the
+      finished regions' files (to inspect or repair it).
   Raises:
     CacheError: no store, a mismatch, or missing regions; the message says what to do.
   """
@@ -330,4 +324,9 @@ def open(path, *, vocab_size=None, k=None, seq_len=None, tokenizer_hash=None, al
       raise CacheError(f"{path} is incomplete: {missing} of {store.num_regions} regions are not "
                        f"written. Re-run the stage that writes it (the same command resumes "
                        f"where it stopped), or open with allow_partial=True to inspect it.")
+    # Cheap (file sizes, no reading): a deleted or truncated shard would otherwise read as zeros.
+    if problems := integrity.check_records(store):
+      raise CacheError(f"{path} is damaged: {len(problems)} problems, first: {problems[0]}. Run "
+                       f"`python -m kdjax.cache verify --fix {path}`, then re-run the stage that "
+                       f"wrote it to rewrite the damaged regions.")
   return store

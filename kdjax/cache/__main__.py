@@ -1,0 +1,95 @@
+"""Inspect a store: `python -m kdjax.cache info|verify [--fix] [--quick] PATH`.
+
+info    shape, attributes, completeness, bytes on disk and per position.
+verify  checks every finished region: manifest records, file checksums, and (unless --quick) that
+        every row decodes and passes the value checks. Exit status 1 when something is wrong.
+        --fix deletes the records and shards of damaged regions, so re-running the stage that wrote
+        the store rewrites exactly those.
+"""
+import argparse
+import json
+import os
+import sys
+
+from kdjax import cache
+from kdjax.cache import integrity
+
+
+def _size(n):
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if n < 1024 or unit == "TiB":
+      return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+    n /= 1024
+
+
+def array_bytes(store):
+  """{array: bytes on disk} over the finished regions' shards."""
+  out = dict.fromkeys(store.dtypes, 0)
+  for region in store.complete_regions():
+    for name in store.dtypes:
+      path = store.shard_path(name, region)
+      out[name] += os.path.getsize(path) if os.path.exists(path) else 0
+  return out
+
+
+def info(store):
+  done = store.complete_regions()
+  rows = sum(stop - start for start, stop in map(store.region_bounds, done))
+  positions = max(rows * store.seq_len, 1)
+  print(f"{store.path}")
+  print(f"  {store.num_seqs} rows x {store.seq_len} positions, k={store.k}, vocab {store.vocab_size}, "
+        f"layout {store.layout}, format v{store.attrs['format_version']}")
+  print(f"  {len(done)} of {store.num_regions} regions of {store.region_rows} rows complete "
+        f"({rows} rows, {100 * rows / store.num_seqs:.1f}%)")
+  sizes = array_bytes(store)
+  for name, dtype in store.dtypes.items():
+    print(f"  {name:14s} {dtype:8s} {str(list(store.shape(name))):22s} {_size(sizes[name]):>10s} "
+          f"{sizes[name] / positions:8.2f} B/position")
+  topk = sum(sizes.get(name, 0) for name in ("topk_ids", "topk_logprobs"))
+  print(f"  {'total':14s} {'':8s} {'':22s} {_size(sum(sizes.values())):>10s} "
+        f"{sum(sizes.values()) / positions:8.2f} B/position (top-k arrays: "
+        f"{topk / positions:.2f})")
+  attrs = {key: value for key, value in store.attrs.items() if key != "dtypes"}
+  print("  attributes: " + json.dumps(attrs, indent=2, sort_keys=True).replace("\n", "\n  "))
+
+
+def verify(store, *, quick, fix):
+  done = store.complete_regions()
+  problems = integrity.verify(store, decode=not quick)
+  missing = store.num_regions - len(done)
+  for problem in problems:
+    print(f"DAMAGED {problem}")
+  bad = sorted({p.region for p in problems})
+  print(f"{store.path}: {len(done) - len(bad)} of {len(done)} finished regions verified"
+        f"{' (records and checksums only)' if quick else ''}; {len(bad)} damaged; {missing} of "
+        f"{store.num_regions} not written yet")
+  if bad and fix:
+    integrity.invalidate(store, bad)
+    print(f"marked {len(bad)} regions for rewriting: re-run the stage that wrote {store.path}; it "
+          f"rewrites exactly the regions its store.missing() lists")
+  elif bad:
+    print(f"to repair: python -m kdjax.cache verify --fix {store.path}, then re-run the stage that "
+          f"wrote it")
+  return not bad
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog="python -m kdjax.cache", description=__doc__.split("\n")[0])
+  parser.add_argument("command", choices=("info", "verify"))
+  parser.add_argument("path")
+  parser.add_argument("--quick", action="store_true", help="verify: skip decoding every row")
+  parser.add_argument("--fix", action="store_true", help="verify: mark damaged regions for rewriting")
+  args = parser.parse_args(argv)
+  try:
+    store = cache.open(args.path, allow_partial=True)
+  except cache.CacheError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if args.command == "info":
+    info(store)
+    return 0
+  return 0 if verify(store, quick=args.quick, fix=args.fix) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
