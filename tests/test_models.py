@@ -22,6 +22,12 @@ def make_cfg(**overrides) -> ModelConfig:
   return ModelConfig(**base)
 
 
+@nnx.jit
+def forward(model, tokens, positions, segment_ids):
+  # Jitted: eager remat dispatches op by op and compiles each op separately.
+  return model(tokens, positions, segment_ids)
+
+
 def inputs(seed=0, vocab=97):
   rng = np.random.default_rng(seed)
   tokens = jnp.asarray(rng.integers(0, vocab, (B, T)), jnp.int32)
@@ -65,7 +71,7 @@ def test_attention_matches_reference():
 def test_shapes_and_tying(tie):
   cfg = make_cfg(tie_embeddings=tie)
   model = Transformer(cfg, rngs=nnx.Rngs(0))
-  hidden = model(*inputs())
+  hidden = forward(model, *inputs())
   assert hidden.shape == (B, T, cfg.d_model) and hidden.dtype == jnp.float32
   head = model.lm_head_DxV()
   assert head.shape == (cfg.d_model, cfg.vocab_size)
@@ -96,7 +102,7 @@ def test_causality_through_gradients():
   def out_at_t(m):
     return m(tokens, positions, segment_ids)[0, t].sum()
 
-  grads = nnx.grad(out_at_t)(model)
+  grads = nnx.jit(nnx.grad(out_at_t))(model)
   g_VxD = np.asarray(grads.embed_VxD[...])
   row_norms_T = np.abs(g_VxD[np.asarray(tokens[0])]).sum(-1)
   assert np.all(row_norms_T[: t + 1] > 0)
@@ -111,10 +117,10 @@ def test_packed_documents_equal_separate_runs():
   packed = jnp.asarray(np.concatenate([doc_a, doc_b])[None], jnp.int32)
   positions = jnp.asarray(np.concatenate([np.arange(5), np.arange(7)])[None], jnp.int32)
   segment_ids = jnp.asarray(np.array([1] * 5 + [2] * 7)[None], jnp.int32)
-  hidden = np.asarray(model(packed, positions, segment_ids))
+  hidden = np.asarray(forward(model, packed, positions, segment_ids))
   for doc, sl in ((doc_a, slice(0, 5)), (doc_b, slice(5, 12))):
     n = len(doc)
-    alone = model(jnp.asarray(doc[None], jnp.int32), jnp.arange(n, dtype=jnp.int32)[None],
+    alone = forward(model, jnp.asarray(doc[None], jnp.int32), jnp.arange(n, dtype=jnp.int32)[None],
                   jnp.ones((1, n), jnp.int32))
     np.testing.assert_allclose(hidden[0, sl], np.asarray(alone[0]), rtol=1e-5, atol=1e-5)
 
@@ -122,15 +128,15 @@ def test_packed_documents_equal_separate_runs():
 def test_padding_changes_nothing_and_stays_finite():
   model = Transformer(make_cfg(), rngs=nnx.Rngs(0))
   tokens, positions, segment_ids = inputs()
-  hidden = model(tokens, positions, segment_ids)
+  hidden = forward(model, tokens, positions, segment_ids)
   pad = 4
-  padded = model(jnp.pad(tokens, ((0, 0), (0, pad)), constant_values=3),
+  padded = forward(model, jnp.pad(tokens, ((0, 0), (0, pad)), constant_values=3),
                  jnp.pad(positions, ((0, 0), (0, pad))),
                  jnp.pad(segment_ids, ((0, 0), (0, pad))))
   np.testing.assert_allclose(np.asarray(padded[:, :T]), np.asarray(hidden), rtol=1e-5, atol=1e-5)
   assert np.all(np.isfinite(np.asarray(padded)))
-  grads = nnx.grad(lambda m: m(jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32),
-                               jnp.zeros((1, 4), jnp.int32)).sum())(model)
+  all_padding = jnp.zeros((1, 4), jnp.int32)
+  grads = nnx.jit(nnx.grad(lambda m: m(all_padding, all_padding, all_padding).sum()))(model)
   assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
 
 
@@ -154,7 +160,7 @@ def test_gqa_equals_mha_with_repeated_kv():
     dst.wk_DxGxE[...] = jnp.repeat(src.wk_DxGxE[...], 2, axis=1)
     dst.wv_DxGxE[...] = jnp.repeat(src.wv_DxGxE[...], 2, axis=1)
   args = inputs()
-  np.testing.assert_allclose(np.asarray(gqa(*args)), np.asarray(mha(*args)), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(forward(gqa, *args)), np.asarray(forward(mha, *args)), rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_close_to_float32():
@@ -162,14 +168,14 @@ def test_bfloat16_close_to_float32():
   m32 = Transformer(cfg32, rngs=nnx.Rngs(0))
   m16 = Transformer(dataclasses.replace(cfg32, dtype="bfloat16"), rngs=nnx.Rngs(0))
   args = inputs()
-  h16 = m16(*args)
+  h16 = forward(m16, *args)
   assert h16.dtype == jnp.bfloat16 and m16.lm_head_DxV().dtype == jnp.bfloat16
-  h32 = np.asarray(m32(*args))
+  h32 = np.asarray(forward(m32, *args))
   err = np.abs(np.asarray(h16, np.float32) - h32).max() / np.abs(h32).max()
   assert err < 5e-2
   all_bf16 = Transformer(dataclasses.replace(cfg32, dtype="bfloat16", param_dtype="bfloat16"),
                          rngs=nnx.Rngs(0))
-  assert np.all(np.isfinite(np.asarray(all_bf16(*args), np.float32)))
+  assert np.all(np.isfinite(np.asarray(forward(all_bf16, *args), np.float32)))
 
 
 def test_llama3_rope_scaling():
