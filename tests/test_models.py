@@ -160,7 +160,8 @@ def test_gqa_equals_mha_with_repeated_kv():
     dst.wk_DxGxE[...] = jnp.repeat(src.wk_DxGxE[...], 2, axis=1)
     dst.wv_DxGxE[...] = jnp.repeat(src.wv_DxGxE[...], 2, axis=1)
   args = inputs()
-  np.testing.assert_allclose(np.asarray(forward(gqa, *args)), np.asarray(forward(mha, *args)), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(forward(gqa, *args)), np.asarray(forward(mha, *args)),
+                             rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_close_to_float32():

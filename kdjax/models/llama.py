@@ -23,10 +23,6 @@ from flax.core import FrozenDict
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                       "original_max_position_embeddings")
-_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-           "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qk_norm", "dtype",
-           "param_dtype")
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -58,7 +54,8 @@ class ModelConfig:
         raise ValueError(f"rope_scaling type {kind!r} is not supported; only 'llama3' is.")
       missing = [k for k in _ROPE_SCALING_KEYS if k not in scaling]
       if missing:
-        raise ValueError(f"rope_scaling lacks {missing}; llama3 scaling needs {_ROPE_SCALING_KEYS}.")
+        raise ValueError(f"rope_scaling lacks {missing}; llama3 scaling needs "
+                         f"{_ROPE_SCALING_KEYS}.")
       # FrozenDict keeps the config hashable (jit caches on the module's static metadata).
       object.__setattr__(self, "rope_scaling",
                          FrozenDict({k: float(scaling[k]) for k in _ROPE_SCALING_KEYS}))
