@@ -20,10 +20,12 @@ LLAMA3 = (
 QWEN = """{%- if messages[0]['role'] == 'system' %}
     {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
 {%- else %}
-    {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful \
+assistant.<|im_end|>\\n' }}
 {%- endif %}
 {%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant") %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or \
+(message.role == "assistant") %}
         {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
     {%- elif message.role == "tool" %}
         {{- raise_exception('tool messages are not supported here') }}

@@ -27,7 +27,8 @@ def test_build_stores_split_contents_and_skip(tok, tmp_path):
   counts = stage.build_stores(source, tok, 16, train, eval_, eval_every=5)
   assert counts["docs"] == 30 and counts["empty"] == 1
   h = tokenizer.tokenizer_hash(tok)
-  stores = [cache.open(p, k=0, seq_len=16, tokenizer_hash=h, vocab_size=320) for p in (train, eval_)]
+  stores = [cache.open(p, k=0, seq_len=16, tokenizer_hash=h, vocab_size=320)
+            for p in (train, eval_)]
   assert [s.num_seqs for s in stores] == [counts["train_rows"], counts["eval_rows"]]
   assert stores[1].attrs["split"] == "eval" and stores[0].attrs["source"] == source
   # Eval holds documents 0, 5, 10, ... (every 5th); train the others, in order.

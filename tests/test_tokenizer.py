@@ -69,9 +69,10 @@ def test_load_hf_checkpoint_dir(trained, tmp_path):
   hf = tokenizers.Tokenizer.from_str(tok.hf.to_str())
   hf.add_special_tokens(["<|begin_of_text|>", "<|eot_id|>"])
   hf.save(str(tmp_path / "tokenizer.json"))
-  config = {"bos_token": {"content": "<|begin_of_text|>", "special": True}, "eos_token": "<|eot_id|>",
-            "pad_token": None, "chat_template": [{"name": "default", "template": "{{ messages }}"},
-                                                 {"name": "tool_use", "template": "x"}]}
+  config = {"bos_token": {"content": "<|begin_of_text|>", "special": True},
+            "eos_token": "<|eot_id|>", "pad_token": None,
+            "chat_template": [{"name": "default", "template": "{{ messages }}"},
+                              {"name": "tool_use", "template": "x"}]}
   (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
   loaded = tokenizer.load(str(tmp_path))
   assert loaded.bos_token == "<|begin_of_text|>" and loaded.bos_id == 512

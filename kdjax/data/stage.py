@@ -1,9 +1,9 @@
 """The data stage: documents -> tokens -> packed rows -> two k=0 sequence stores (train, eval).
 
 Documents 0, n, 2n, ... (n = eval_every) are held out, so the split depends only on the source's
-order and the eval split is never empty. The number of rows is only known once the source has been streamed,
-so rows are spooled to raw files beside the output and copied into the stores in blocks: memory
-stays at one block whatever the corpus size.
+order and the eval split is never empty. The number of rows is only known once the source has
+been streamed, so rows are spooled to raw files beside the output and copied into the stores one
+region at a time: memory stays bounded whatever the corpus size.
 """
 import collections
 import logging
