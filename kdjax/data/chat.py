@@ -2,7 +2,7 @@
 
 The template is the jinja2 string of a tokenizer_config.json, compiled in a sandboxed environment
 with trim_blocks/lstrip_blocks, `raise_exception`, `tojson`, `strftime_now`, and the variables
-`messages`, `bos_token`, `eos_token`, `add_generation_prompt=False`.
+`messages`, `bos_token`, `eos_token`, `tools=None`, `documents=None`, `add_generation_prompt`.
 
 Assistant spans (the characters whose tokens are targets with loss_mask="assistant") are found:
   * exactly, from `{% generation %}...{% endgeneration %}` blocks when the template has them;
@@ -82,8 +82,10 @@ class Renderer:
 
   def _render(self, messages, add_generation_prompt=False) -> str:
     try:
-      return self.template.render(messages=messages, bos_token=self.bos_token,
-                                  eos_token=self.eos_token,
+      # tools/documents are passed as None, as transformers does: templates test
+      # `tools is not none`, which an undefined variable would pass.
+      return self.template.render(messages=messages, tools=None, documents=None,
+                                  bos_token=self.bos_token, eos_token=self.eos_token,
                                   add_generation_prompt=add_generation_prompt)
     except jinja2.exceptions.TemplateError as e:
       raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
