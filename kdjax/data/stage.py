@@ -125,7 +125,8 @@ def _complete(path: str, seq_len: int, identity: dict) -> bool:
   differ = {k: (store.attrs.get(k), v) for k, v in identity.items() if store.attrs.get(k) != v}
   if differ:
     raise sources.DataError(f"{path} was built from other data (key: stored vs wanted): "
-                            f"{differ}; delete it to rebuild, or change data.* back")
+                            f"{differ}; delete it (and data/tokenizer.json if trained for it) to "
+                            "rebuild, or change data.* back")
   return not store.missing()
 
 
