@@ -48,8 +48,11 @@ def load_tokenizer(c, paths: Paths):
 
 
 def model_config(group: ml_collections.ConfigDict, vocab_size: int) -> llama.ModelConfig:
-  cfg = llama.ModelConfig.from_config(group)
-  return dataclasses.replace(cfg, vocab_size=group.vocab_size or vocab_size)
+  """The model shapes of a config group; vocab_size 0 takes the tokenizer's size."""
+  fields = group.to_dict()
+  fields["vocab_size"] = group.vocab_size or vocab_size
+  fields["rope_scaling"] = fields["rope_scaling"] or None  # empty group = no scaling
+  return llama.ModelConfig.from_config(ml_collections.ConfigDict(fields))
 
 
 def new_model(group, vocab_size: int, seed: int) -> tuple[nnx.Module, llama.ModelConfig]:
@@ -66,7 +69,7 @@ def stage_data(c, paths: Paths):
 
 
 def _fit(c, paths, name, group, opt, store, hard_labels):
-  vocab = load_tokenizer(c, paths).get_vocab_size()
+  vocab = load_tokenizer(c, paths).vocab_size
   model, cfg = new_model(group, vocab, c.seed)
   return train.fit(name=name, model=model, model_cfg=cfg, store=store, workdir=paths.run(name),
                    opt=opt, loss_cfg=c.loss, hard_labels=hard_labels, seed=c.seed)
@@ -103,7 +106,7 @@ def open_cache(c, paths: Paths, split: str, vocab_size: int):
 
 
 def stage_train(c, paths: Paths):
-  vocab = load_tokenizer(c, paths).get_vocab_size()
+  vocab = load_tokenizer(c, paths).vocab_size
   cfg = model_config(c.student, vocab) if not c.student.hf_path else None
   store = open_cache(c, paths, "train", cfg.vocab_size if cfg else None)
   return _fit(c, paths, "student", c.student, c.opt, store, False)
@@ -115,7 +118,7 @@ def stage_baseline(c, paths: Paths):
 
 def stage_eval(c, paths: Paths):
   eval_store = cache.open(paths.cache("eval"))
-  vocab = load_tokenizer(c, paths).get_vocab_size()
+  vocab = load_tokenizer(c, paths).vocab_size
   models = {"student_init": new_model(c.student, vocab, c.seed)[0]}
   if not c.teacher.hf_path and "pretrain" in c.stages:
     models["teacher"] = load_teacher(c, paths)

@@ -1,0 +1,142 @@
+"""Training: the loss falls, a crash resumes to the same parameters, bad workdirs and NaN fail loudly."""
+import dataclasses
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from kdjax import cache, config, train
+from kdjax.models import llama
+
+V, T, K, S = 64, 16, 8, 24  # vocab, seq_len, top-k, sequences
+
+
+def tiny_model_cfg(**overrides) -> llama.ModelConfig:
+  fields = dict(vocab_size=V, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
+                d_ff=64, rope_theta=10000.0, rope_scaling=None, norm_eps=1e-5,
+                tie_embeddings=False, qk_norm=False)
+  fields.update(overrides)
+  return llama.ModelConfig(**fields)
+
+
+def make_cache(path, rng, *, k=K) -> "cache.Store":
+  """A cache with a learnable pattern: the teacher predicts token + 1 with most of its mass."""
+  tokens = rng.integers(0, V, (S, T)).astype(np.int32)
+  tokens[:, 1:] = (tokens[:, :1] + np.arange(1, T)) % V
+  ids = (tokens[..., None] + np.arange(1, k + 1)) % V
+  logits = -2.0 * np.arange(k, dtype=np.float64)
+  logprobs = np.broadcast_to(logits - np.log(np.exp(logits).sum() + 0.05), (S, T, k))
+  mask = np.ones((S, T), bool)
+  mask[:, -1] = False
+  store = cache.create(str(path), num_seqs=S, seq_len=T, k=k, vocab_size=V, attrs={"source": "test"})
+  store.write(0, {"tokens": tokens, "segment_ids": np.ones((S, T), np.int32),
+                  "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (S, T)).copy(),
+                  "loss_mask": mask, "topk_ids": ids.astype(np.int32),
+                  "topk_logprobs": logprobs.astype(np.float32)})
+  return cache.open(str(path))
+
+
+def opt_group(**overrides) -> ml_collections.ConfigDict:
+  return config.opt_group(**{"steps": 6, "batch_size": 2, "accum_steps": 2, "warmup_steps": 1,
+                             "log_every": 1, "ckpt_every": 2, "lr": 1e-2, **overrides})
+
+
+def fit(tmp_path, store, name="run", cfg=None, opt=None, hard_labels=False, seed=0):
+  cfg = cfg or tiny_model_cfg()
+  loss = config.base().loss
+  loss.chunk_size = 10  # not a divisor of T: the padded last chunk is exercised
+  return train.fit(name=name, model=llama.Transformer(cfg, rngs=nnx.Rngs(seed)), model_cfg=cfg,
+                   store=store, workdir=str(tmp_path / name), opt=opt or opt_group(),
+                   loss_cfg=loss, hard_labels=hard_labels, seed=seed)
+
+
+def params_of(model):
+  return jax.tree.leaves(nnx.state(model))
+
+
+def read_metrics(path):
+  import json
+  return [json.loads(line) for line in open(path)]
+
+
+def test_distillation_loss_falls_and_logs(tmp_path):
+  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+  fit(tmp_path, store, opt=opt_group(steps=30, ckpt_every=30, lr=3e-2))
+  rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+  assert [r["step"] for r in rows] == list(range(1, 31))
+  assert rows[-1]["kl"] < 0.5 * rows[0]["kl"]
+  assert all(np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_hard_label_loss_is_cross_entropy(tmp_path):
+  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+  fit(tmp_path, store, opt=opt_group(steps=2), hard_labels=True)
+  rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+  for r in rows:
+    np.testing.assert_allclose(r["loss"], r["ce"], rtol=1e-5)
+    np.testing.assert_allclose(r["kl"], r["ce"], rtol=1e-5)
+
+
+def test_crash_resumes_to_identical_parameters(tmp_path, monkeypatch):
+  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+  straight = params_of(fit(tmp_path, store, name="straight"))
+
+  real_step, calls = train.train_step, []
+
+  def crash_at_step_5(state, batch, **kw):
+    calls.append(1)
+    if len(calls) == 5:
+      raise RuntimeError("simulated crash")
+    return real_step(state, batch, **kw)
+
+  monkeypatch.setattr(train, "train_step", crash_at_step_5)
+  with pytest.raises(RuntimeError, match="simulated crash"):
+    fit(tmp_path, store, name="crashed")
+  monkeypatch.setattr(train, "train_step", real_step)
+  assert train.Checkpoints(str(tmp_path / "crashed" / "ckpt"), tiny_model_cfg()).latest_step() == 4
+  resumed = params_of(fit(tmp_path, store, name="crashed"))
+  for a, b in zip(straight, resumed):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_finished_run_is_not_trained_again(tmp_path):
+  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+  first = params_of(fit(tmp_path, store))
+  lines = len(read_metrics(tmp_path / "run" / "metrics.jsonl"))
+  again = params_of(fit(tmp_path, store))
+  assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == lines
+  for a, b in zip(first, again):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_checkpoint_of_another_model_shape_is_refused(tmp_path):
+  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+  fit(tmp_path, store, opt=opt_group(steps=2))
+  with pytest.raises(ValueError, match="different model.*d_model"):
+    fit(tmp_path, store, cfg=tiny_model_cfg(d_model=48), opt=opt_group(steps=4))
+
+
+def test_non_finite_loss_names_the_step(tmp_path):
+  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+  cfg = tiny_model_cfg()
+  model = llama.Transformer(cfg, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  state = jax.tree.map(lambda x: x * np.nan, state)
+  with pytest.raises(FloatingPointError, match="step 1"):
+    train.fit(name="nan", model=nnx.merge(graphdef, state), model_cfg=cfg, store=store,
+              workdir=str(tmp_path / "nan"), opt=opt_group(steps=2), loss_cfg=config.base().loss,
+              hard_labels=False, seed=0)
+
+
+def test_to_step_batch_shapes_and_one_hot_teacher():
+  rows = {"tokens": np.arange(4 * T, dtype=np.int32).reshape(4, T),
+          "positions": np.zeros((4, T), np.int32), "segment_ids": np.ones((4, T), np.int32),
+          "loss_mask": np.ones((4, T), bool)}
+  batch = train.to_step_batch(rows, accum_steps=2, hard_labels=True)
+  assert batch["tokens"].shape == (2, 2, T)
+  assert batch["topk_ids"].shape == (2, 2, T, 1)
+  np.testing.assert_array_equal(batch["topk_ids"][..., 0], batch["labels"])
+  np.testing.assert_array_equal(batch["labels"][0, 0, :-1], rows["tokens"][0, 1:])
+  assert dataclasses.is_dataclass(train.LossSettings.from_config(config.base().loss, True))
