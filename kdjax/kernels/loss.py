@@ -1,0 +1,161 @@
+"""Public loss API: top-k KL distillation loss on the lm_head, with input checks and dispatch.
+
+Definitions, per position with cached top-k set S (ids), cached teacher log-probs logp (full
+vocabulary softmax at temperature 1, gathered at S, not renormalised), student logits
+z = hidden . lm_head over the FULL vocabulary (float32 accumulation):
+
+  Temperature tau (applied exactly once, to both sides):
+    student   log q_v = z_v / tau - logsumexp_V(z / tau)
+    teacher   log p_v = log M + logp_v / tau - logsumexp_S(logp / tau),   M = sum_S exp(logp)
+              i.e. the cached top-k re-tempered as p ~ p^(1/tau) WITHIN the top-k, keeping the
+              top-k mass M (the tail outside S is unknown, so its share is left unchanged).
+              At tau = 1 this is exactly exp(logp).
+    The KL term is multiplied by tau^2 (gradient scale independent of tau, as is customary).
+  Objectives (p, q as above; Q = sum_S q):
+    "sparse"  sum_S p (log p - log q)             the paper's; can be negative (floor M log M)
+    "tail"    sparse + (1 - M) log((1 - M) / (1 - Q)): exact KL of the distributions coarsened
+              to S plus one tail bucket, never negative. 1 - M is clamped at 0 (quantised caches
+              may sum above 1) and 0 log 0 = 0; 1 - Q is clamped at objectives.TAIL_FLOOR.
+    "renorm"  sum_S p' (log p' - log q'),  p' = p / M, q' = q / Q  (both renormalised over S)
+  Cross-entropy: CE = -log softmax(z)[label], always at tau = 1.
+
+  loss = sum_{mask} (KL term + ce_weight * CE) / max(#mask, 1)   (0 if nothing is masked in)
+
+Shape letters: N flattened positions, D model width, V vocabulary, K cached entries.
+"""
+import jax
+import jax.numpy as jnp
+
+from kdjax.kernels import objectives, reference, xla
+
+IMPLS = ("auto", "reference", "xla", "pallas", "paper")
+
+
+def _fused_impl(impl: str):
+  if impl == "auto":
+    impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+  if impl == "xla":
+    return xla.topk_kl_loss, xla.default_chunk
+  if impl == "pallas":
+    from kdjax.kernels import pallas
+    return pallas.topk_kl_loss, pallas.default_chunk
+  if impl == "paper":
+    from kdjax.kernels import paper
+    return paper.topk_kl_loss, paper.default_chunk
+  raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+
+
+def _check(hidden, lm_head, topk_ids, topk_logprobs, mask, labels):
+  if lm_head.ndim != 2:
+    raise ValueError(f"lm_head must be [D, V], got shape {lm_head.shape}")
+  if hidden.ndim < 1 or hidden.shape[-1] != lm_head.shape[0]:
+    raise ValueError(f"hidden [..., D] {hidden.shape} does not match lm_head [D, V] "
+                     f"{lm_head.shape}")
+  batch = hidden.shape[:-1]
+  if topk_ids.ndim != len(batch) + 1 or topk_ids.shape[:-1] != batch:
+    raise ValueError(f"topk_ids must be [..., K] with batch dims {batch}, got {topk_ids.shape}")
+  if topk_logprobs.shape != topk_ids.shape:
+    raise ValueError(f"topk_logprobs {topk_logprobs.shape} must match topk_ids "
+                     f"{topk_ids.shape}")
+  if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+    raise ValueError(f"topk_ids must be integers, got {topk_ids.dtype}")
+  if mask is not None and mask.shape != batch:
+    raise ValueError(f"mask must have the batch shape {batch}, got {mask.shape}")
+  if labels is not None:
+    if labels.shape != batch:
+      raise ValueError(f"labels must have the batch shape {batch}, got {labels.shape}")
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+      raise ValueError(f"labels must be integers, got {labels.dtype}")
+
+
+def _check_chunk(chunk_size):
+  if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+    raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+
+def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="sparse",
+                 temperature=1.0, labels=None, ce_weight=0.0, impl="auto", chunk_size=None,
+                 return_aux=False):
+  """Top-k KL distillation loss (module docstring has the definitions).
+
+  Args:
+    hidden: [..., D] student hidden states after the final norm (bf16 or f32).
+    lm_head: [D, V] output projection.
+    topk_ids: [..., K] int teacher top-k ids (distinct within a position).
+    topk_logprobs: [..., K] teacher log-softmax over the full vocabulary at those ids.
+    mask: [...] bool, positions that count (None: all).
+    objective: "sparse" | "tail" | "renorm".
+    temperature: tau > 0, a Python number.
+    labels: [...] int next-token ids for the cross-entropy term, or None.
+    ce_weight: weight of the cross-entropy term (needs labels).
+    impl: "auto" | "reference" | "xla" | "pallas" | "paper".
+    chunk_size: positions per chunk for the chunked impls (None: sized to the vocabulary).
+    return_aux: also return {"kl": mean KL term, "ce": mean CE} (no gradient through these).
+  Returns:
+    float32 scalar loss, differentiable in hidden and lm_head; (loss, aux) with return_aux.
+  """
+  _check(hidden, lm_head, topk_ids, topk_logprobs, mask, labels)
+  if objective not in objectives.OBJECTIVES:
+    raise ValueError(f"unknown objective {objective!r}; expected one of {objectives.OBJECTIVES}")
+  if impl not in IMPLS:
+    raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+  try:
+    temperature = float(temperature)
+    ce_weight = float(ce_weight)
+  except TypeError as e:
+    raise ValueError("temperature and ce_weight must be Python numbers (static)") from e
+  if not temperature > 0:
+    raise ValueError(f"temperature must be > 0, got {temperature}")
+  if ce_weight != 0.0 and labels is None:
+    raise ValueError(f"ce_weight={ce_weight} needs labels")
+  _check_chunk(chunk_size)
+
+  dim, vocab = lm_head.shape
+  hidden_NxD = hidden.reshape(-1, dim)
+  num_rows = hidden_NxD.shape[0]
+  ids_NxK = topk_ids.reshape(num_rows, -1).astype(jnp.int32)
+  logp_NxK = topk_logprobs.reshape(num_rows, -1).astype(jnp.float32)
+  mask_N = (jnp.ones((num_rows,), bool) if mask is None
+            else mask.reshape(num_rows).astype(bool))
+  spec = objectives.LossSpec(objective, temperature, ce_weight, labels is not None)
+  labels_N = (jnp.zeros((num_rows,), jnp.int32) if labels is None
+              else labels.reshape(num_rows).astype(jnp.int32))
+  zero = jnp.zeros((), jnp.float32)
+  if num_rows == 0:
+    loss, kl, ce = zero, zero, zero
+  elif impl == "reference":
+    loss, kl, ce = reference.topk_kl_loss(hidden_NxD, lm_head, ids_NxK, logp_NxK, mask_N,
+                                          labels_N, spec)
+  else:
+    fused, default_chunk = _fused_impl(impl)
+    chunk = min(chunk_size or default_chunk(num_rows, vocab), num_rows)
+    w_N = mask_N.astype(jnp.float32) / jnp.maximum(jnp.sum(mask_N), 1).astype(jnp.float32)
+    loss, kl, ce = fused(hidden_NxD, lm_head, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk)
+  if not return_aux:
+    return loss
+  return loss, {"kl": jax.lax.stop_gradient(kl), "ce": jax.lax.stop_gradient(ce)}
+
+
+def position_stats(hidden, lm_head, topk_ids, labels=None, *, chunk_size=None):
+  """Per-position student logit statistics, chunked (no [N, V] array), without gradients.
+
+  Returns dict: lse [...] (logsumexp over the full vocabulary), argmax [...] int32,
+  label_logit [...] (if labels given), topk_logits [..., K]; float32, temperature 1.
+  """
+  _check(hidden, lm_head, topk_ids, jnp.zeros(topk_ids.shape, jnp.float32), None, labels)
+  _check_chunk(chunk_size)
+  dim, vocab = lm_head.shape
+  batch = hidden.shape[:-1]
+  hidden_NxD = hidden.reshape(-1, dim)
+  num_rows = hidden_NxD.shape[0]
+  ids_NxK = topk_ids.reshape(num_rows, -1).astype(jnp.int32)
+  labels_N = (jnp.zeros((num_rows,), jnp.int32) if labels is None
+              else labels.reshape(num_rows).astype(jnp.int32))
+  chunk = min(chunk_size or xla.default_chunk(num_rows, vocab), max(num_rows, 1))
+  if num_rows == 0:
+    out = reference.position_stats(hidden_NxD, lm_head, ids_NxK, labels_N)
+  else:
+    out = xla.position_stats(hidden_NxD, lm_head, ids_NxK, labels_N, chunk)
+  if labels is None:
+    out.pop("label_logit")
+  return {k: v.reshape(batch + v.shape[1:]) for k, v in out.items()}

@@ -1,0 +1,259 @@
+"""kdjax.kernels against a float64 numpy computation of every objective, values and gradients.
+
+Fresh random inputs every test (no fixed seeds). Errors: |loss - ref| / max(|ref|, 1) and
+||grad - ref|| / ||ref|| (relative L2 norm).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdjax import kernels
+from kdjax.kernels import objectives
+
+# Tolerances, once per input dtype; never loosen. bf16 gradients carry the bf16 rounding of dL/dz
+# before the gradient matmuls, of the outputs, and of dW accumulated chunk by chunk.
+TOL = {jnp.float32: dict(loss=1e-5, grad=1e-4), jnp.bfloat16: dict(loss=1e-4, grad=1e-2)}
+
+IMPLS = ["reference", "xla", "paper"]
+CHUNKED = ["xla", "paper"]
+
+# (batch dims, D, V, K, temperature, ce_weight, chunk): N never a multiple of the chunk.
+CASES = {
+    "k100": ((2, 19), 24, 333, 100, 1.0, 0.3, 16),
+    "k7_tau_ce": ((3, 5, 2), 8, 130, 7, 0.7, 0.5, 7),
+}
+
+
+def _rng():
+  return np.random.default_rng()
+
+
+def make_inputs(batch, dim, vocab, k, dtype, *, with_labels=True, masked_frac=0.3):
+  """Student hidden/lm_head and a teacher cache from a random full-vocabulary teacher."""
+  rng = _rng()
+  hidden = jnp.asarray(rng.normal(size=batch + (dim,)), dtype)
+  lm_head = jnp.asarray(rng.normal(size=(dim, vocab)) * 2.0 / np.sqrt(dim), dtype)
+  teacher = rng.normal(size=batch + (vocab,)) * 3.0
+  logp = teacher - np.log(np.sum(np.exp(teacher), axis=-1, keepdims=True))
+  ids = np.argsort(-logp, axis=-1)[..., :k]
+  ids = np.take_along_axis(ids, rng.permuted(np.broadcast_to(np.arange(k), ids.shape), axis=-1),
+                           axis=-1)  # cache order is irrelevant
+  inputs = dict(hidden=hidden, lm_head=lm_head,
+                topk_ids=jnp.asarray(ids, jnp.int32),
+                topk_logprobs=jnp.asarray(np.take_along_axis(logp, ids, axis=-1), jnp.float32),
+                mask=jnp.asarray(rng.random(batch) >= masked_frac))
+  if with_labels:
+    inputs["labels"] = jnp.asarray(rng.integers(0, vocab, size=batch), jnp.int32)
+  return inputs
+
+
+def _f64(x):
+  return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def _lse(x, axis=-1):
+  m = np.max(x, axis=axis, keepdims=True)
+  return (m + np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True)))[..., 0]
+
+
+def numpy_loss(inputs, objective, temperature, ce_weight):
+  """float64 loss, mean KL, mean CE and gradients (analytic dL/dz, then the two matmuls)."""
+  dim, vocab = inputs["lm_head"].shape
+  h = _f64(inputs["hidden"]).reshape(-1, dim)
+  w = _f64(inputs["lm_head"])
+  ids = np.asarray(inputs["topk_ids"]).reshape(h.shape[0], -1)
+  logp = _f64(inputs["topk_logprobs"]).reshape(ids.shape)
+  mask = np.asarray(inputs["mask"]).reshape(-1)
+  n, k = ids.shape
+  rows = np.arange(n)[:, None]
+  tau = temperature
+  z = h @ w
+  s = z / tau
+  logq = s - _lse(s)[:, None]
+  q = np.exp(logq)
+  logq_k = np.take_along_axis(logq, ids, axis=-1)
+  q_k = np.exp(logq_k)
+  if tau != 1.0:  # p_tau ~ p^(1/tau) within the top-k, top-k mass kept
+    logp = _lse(logp)[:, None] + logp / tau - _lse(logp / tau)[:, None]
+  p = np.exp(logp)
+  mass = p.sum(-1)
+  ds = np.zeros_like(z)
+  if objective in ("sparse", "tail"):
+    kl = np.sum(p * (logp - logq_k), axis=-1)
+    ds += mass[:, None] * q
+    np.add.at(ds, (np.broadcast_to(rows, ids.shape), ids), -p)
+  if objective == "tail":
+    tail_p = np.maximum(1.0 - mass, 0.0)
+    tail_q = 1.0 - q_k.sum(-1)
+    assert np.all(tail_q > objectives.TAIL_FLOOR)
+    kl += np.where(tail_p > 0, tail_p * np.log(np.where(tail_p > 0, tail_p, 1.0) / tail_q), 0.0)
+    r = tail_p / tail_q  # d/ds of -(1-M) log(1-Q) = r dQ/ds, dQ/ds = q 1_S - Q q
+    ds -= (r * q_k.sum(-1))[:, None] * q
+    np.add.at(ds, (np.broadcast_to(rows, ids.shape), ids), r[:, None] * q_k)
+  if objective == "renorm":
+    pn = p / mass[:, None]
+    qn = q_k / q_k.sum(-1, keepdims=True)
+    kl = np.sum(pn * (np.log(pn) - np.log(qn)), axis=-1)
+    np.add.at(ds, (np.broadcast_to(rows, ids.shape), ids), qn - pn)
+  kl = tau * tau * kl
+  dz = tau * ds
+  if "labels" in inputs:
+    labels = np.asarray(inputs["labels"]).reshape(-1)
+    lse1 = _lse(z)
+    ce = lse1 - z[np.arange(n), labels]
+    dz += ce_weight * np.exp(z - lse1[:, None])
+    dz[np.arange(n), labels] -= ce_weight
+  else:
+    ce = np.zeros(n)
+  count = max(mask.sum(), 1)
+  loss = np.sum(np.where(mask, kl + ce_weight * ce, 0.0)) / count
+  dz = dz * (mask / count)[:, None]
+  dh = (dz @ w.T).reshape(inputs["hidden"].shape)
+  return dict(loss=loss, kl=np.sum(np.where(mask, kl, 0)) / count,
+              ce=np.sum(np.where(mask, ce, 0)) / count, dh=dh, dw=h.T @ dz)
+
+
+def run_loss(inputs, cotangent, **kw):
+  """One jit: (loss, aux) and the gradients of cotangent * loss in hidden and lm_head."""
+  rest = {k: v for k, v in inputs.items() if k not in ("hidden", "lm_head")}
+
+  def f(hidden, lm_head):
+    loss, aux = kernels.topk_kl_loss(hidden, lm_head, rest["topk_ids"], rest["topk_logprobs"],
+                                     rest["mask"], labels=rest.get("labels"), return_aux=True,
+                                     **kw)
+    return cotangent * loss, (loss, aux)
+
+  grads, (value, aux) = jax.jit(jax.grad(f, argnums=(0, 1), has_aux=True))(
+      inputs["hidden"], inputs["lm_head"])
+  return value, aux, grads
+
+
+def assert_close(name, got, want, tol):
+  got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+  assert np.all(np.isfinite(got)), f"{name}: non-finite values"
+  if got.ndim == 0:
+    err = abs(got - want) / max(abs(want), 1.0)
+  else:
+    err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+  assert err <= tol, f"{name}: error {err:.3g} > {tol:.3g}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("objective", objectives.OBJECTIVES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_matches_float64(impl, objective, dtype, case):
+  batch, dim, vocab, k, tau, ce_weight, chunk = CASES[case]
+  inputs = make_inputs(batch, dim, vocab, k, dtype)
+  cotangent = float(_rng().uniform(0.5, 2.0))
+  want = numpy_loss(inputs, objective, tau, ce_weight)
+  value, aux, (dh, dw) = run_loss(inputs, cotangent, objective=objective, temperature=tau,
+                                  ce_weight=ce_weight, impl=impl, chunk_size=chunk)
+  tol = TOL[dtype]
+  assert value.dtype == jnp.float32 and value.shape == ()
+  assert dh.dtype == dtype and dh.shape == inputs["hidden"].shape
+  assert dw.dtype == dtype and dw.shape == inputs["lm_head"].shape
+  assert_close("loss", value, want["loss"], tol["loss"])
+  assert_close("kl", aux["kl"], want["kl"], tol["loss"])
+  assert_close("ce", aux["ce"], want["ce"], tol["loss"])
+  assert_close("dhidden", dh, cotangent * want["dh"], tol["grad"])
+  assert_close("dlm_head", dw, cotangent * want["dw"], tol["grad"])
+
+
+@pytest.mark.parametrize("impl", CHUNKED)
+def test_without_labels_and_default_chunk(impl):
+  inputs = make_inputs((45,), 16, 257, 3, jnp.float32, with_labels=False)
+  want = numpy_loss(inputs, "sparse", 2.5, 0.0)
+  value, aux, (dh, dw) = run_loss(inputs, 1.0, temperature=2.5, impl=impl)
+  assert_close("loss", value, want["loss"], TOL[jnp.float32]["loss"])
+  assert float(aux["ce"]) == 0.0
+  # The primal alone (no differentiation) takes another code path in the chunked impls.
+  alone = jax.jit(lambda h, w: kernels.topk_kl_loss(
+      h, w, inputs["topk_ids"], inputs["topk_logprobs"], inputs["mask"], temperature=2.5,
+      impl=impl))(inputs["hidden"], inputs["lm_head"])
+  assert_close("loss alone", alone, want["loss"], TOL[jnp.float32]["loss"])
+  assert_close("dhidden", dh, want["dh"], TOL[jnp.float32]["grad"])
+  assert_close("dlm_head", dw, want["dw"], TOL[jnp.float32]["grad"])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_all_masked_is_zero(impl):
+  inputs = make_inputs((2, 9), 8, 130, 4, jnp.float32, masked_frac=1.1)
+  value, aux, (dh, dw) = run_loss(inputs, 1.0, objective="tail", ce_weight=1.0,
+                                  impl=impl, chunk_size=4)
+  assert float(value) == 0.0 and float(aux["kl"]) == 0.0 and float(aux["ce"]) == 0.0
+  assert not np.any(np.asarray(dh)) and not np.any(np.asarray(dw))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_gradient_to_cache(impl):
+  inputs = make_inputs((7,), 8, 130, 4, jnp.float32)
+  g = jax.jit(jax.grad(lambda lp: kernels.topk_kl_loss(
+      inputs["hidden"], inputs["lm_head"], inputs["topk_ids"], lp, inputs["mask"],
+      objective="tail", impl=impl, chunk_size=4)))(inputs["topk_logprobs"])
+  assert not np.any(np.asarray(g))
+
+
+@pytest.mark.parametrize("objective", ["tail", "renorm"])
+def test_proper_divergences_are_nonnegative(objective):
+  inputs = make_inputs((64,), 8, 150, 10, jnp.float32, masked_frac=0.0)
+  for tau in (0.5, 1.0, 3.0):
+    kl = jax.jit(lambda h, w: kernels.topk_kl_loss(
+        h, w, inputs["topk_ids"], inputs["topk_logprobs"], inputs["mask"], objective=objective,
+        temperature=tau, impl="reference"))(inputs["hidden"], inputs["lm_head"])
+    assert float(kl) >= 0.0
+
+
+def test_tempered_teacher_keeps_mass_and_sharpens():
+  rng = _rng()
+  logp = np.log(rng.dirichlet(np.ones(9), size=5)[:, :6])
+  tau = float(rng.uniform(0.3, 3.0))
+  got = np.asarray(objectives.tempered_teacher(jnp.asarray(logp, jnp.float32), tau), np.float64)
+  np.testing.assert_allclose(np.exp(got).sum(-1), np.exp(logp).sum(-1), rtol=1e-5)
+  np.testing.assert_allclose(got[:, 1:] - got[:, :1], (logp[:, 1:] - logp[:, :1]) / tau,
+                             rtol=1e-4, atol=1e-4)
+  same = objectives.tempered_teacher(jnp.asarray(logp, jnp.float32), 1.0)
+  np.testing.assert_array_equal(np.asarray(same), np.asarray(logp, np.float32))
+
+
+def test_position_stats():
+  inputs = make_inputs((2, 13), 16, 211, 6, jnp.float32)
+  got = jax.jit(lambda h, w, i, l: kernels.position_stats(h, w, i, l, chunk_size=5))(
+      inputs["hidden"], inputs["lm_head"], inputs["topk_ids"], inputs["labels"])
+  z = _f64(inputs["hidden"]) @ _f64(inputs["lm_head"])
+  np.testing.assert_allclose(got["lse"], _lse(z), rtol=1e-5)
+  np.testing.assert_array_equal(got["argmax"], np.argmax(z, axis=-1))
+  assert got["argmax"].dtype == jnp.int32
+  np.testing.assert_allclose(got["label_logit"],
+                             np.take_along_axis(z, np.asarray(inputs["labels"])[..., None],
+                                                axis=-1)[..., 0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got["topk_logits"],
+                             np.take_along_axis(z, np.asarray(inputs["topk_ids"]), axis=-1),
+                             rtol=1e-5, atol=1e-5)
+  no_labels = kernels.position_stats(inputs["hidden"], inputs["lm_head"], inputs["topk_ids"])
+  assert "label_logit" not in no_labels
+
+
+def test_input_validation():
+  inputs = make_inputs((4,), 8, 130, 3, jnp.float32)
+  args = (inputs["hidden"], inputs["lm_head"], inputs["topk_ids"], inputs["topk_logprobs"],
+          inputs["mask"])
+  bad = [
+      (dict(objective="jsd"), "objective"),
+      (dict(impl="cuda"), "impl"),
+      (dict(temperature=0.0), "temperature"),
+      (dict(temperature=-1.0), "temperature"),
+      (dict(ce_weight=0.5), "labels"),
+      (dict(chunk_size=0), "chunk_size"),
+      (dict(labels=inputs["labels"][:3]), "labels"),
+  ]
+  for kw, word in bad:
+    with pytest.raises(ValueError, match=word):
+      kernels.topk_kl_loss(*args, **kw)
+  with pytest.raises(ValueError, match="lm_head"):
+    kernels.topk_kl_loss(inputs["hidden"], inputs["lm_head"][:5], *args[2:])
+  with pytest.raises(ValueError, match="topk_logprobs"):
+    kernels.topk_kl_loss(*args[:3], inputs["topk_logprobs"][:, :2], inputs["mask"])
+  with pytest.raises(ValueError, match="mask"):
+    kernels.topk_kl_loss(*args[:4], inputs["mask"][:2])
