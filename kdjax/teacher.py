@@ -8,6 +8,7 @@ top K before the next chunk. Work is done region by region (the cache's unit of 
 killed run, started again, continues with the first unfinished region; ranks of a multi-process run
 take disjoint regions.
 """
+import concurrent.futures
 import functools
 
 import jax
@@ -76,7 +77,7 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
     rank, world: this process writes the regions r with r % world == rank.
     region_rows: rows per region; default the data store's.
   """
-  model_vocab = model.lm_head_DxV().shape[-1]
+  model_vocab = jax.eval_shape(model.lm_head_DxV).shape[-1]
   if model_vocab < vocab_size:
     raise cache.CacheError(f"teacher lm_head has {model_vocab} columns, fewer than the "
                            f"vocabulary ({vocab_size}): wrong teacher or tokenizer.")
@@ -93,21 +94,29 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
   step = functools.partial(_teacher_step, graphdef, state, k=k, chunk_size=chunk_size,
                            vocab_size=vocab_size)
   total = sum(stop - start for start, stop in todo) * store.seq_len
-  with tqdm(total=total, unit="tok", unit_scale=True, desc=f"teacher rank {rank}/{world}") as bar:
+  # One writer thread: region r is encoded and written while the device computes region r + 1.
+  # A region is recorded complete only after its write, so a crash anywhere loses at most the
+  # regions in flight.
+  with (tqdm(total=total, unit="tok", unit_scale=True, desc=f"teacher {rank}/{world}") as bar,
+        concurrent.futures.ThreadPoolExecutor(1) as writer):
+    pending = None
     for start, stop in todo:
       rows = data_store.read(slice(start, stop))
+      outputs = [step(*(_pad_rows(rows[name][lo:lo + batch_size], batch_size)
+                        for name in ("tokens", "positions", "segment_ids")))
+                 for lo in range(0, stop - start, batch_size)]  # dispatched, not awaited
       out = {name: rows[name] for name in _TOKEN_ARRAYS}
-      ids, logprobs = [], []
-      for lo in range(0, stop - start, batch_size):
-        hi = min(lo + batch_size, stop - start)
-        # Pad the last batch to batch_size: one compiled shape; padding rows are dropped.
-        pad = lambda x: np.pad(x[lo:hi], [(0, batch_size - (hi - lo))] + [(0, 0)] * (x.ndim - 1))
-        batch_ids, batch_logprobs = step(pad(rows["tokens"]), pad(rows["positions"]),
-                                         pad(rows["segment_ids"]))
-        ids.append(np.asarray(batch_ids)[:hi - lo])
-        logprobs.append(np.asarray(batch_logprobs)[:hi - lo])
-        bar.update((hi - lo) * store.seq_len)
-      out["topk_ids"] = np.concatenate(ids)
-      out["topk_logprobs"] = np.concatenate(logprobs)
-      store.write(start, out)
+      out["topk_ids"] = np.concatenate([np.asarray(ids) for ids, _ in outputs])[:stop - start]
+      out["topk_logprobs"] = np.concatenate([np.asarray(lp) for _, lp in outputs])[:stop - start]
+      if pending is not None:
+        pending.result()
+      pending = writer.submit(store.write, start, out)
+      pending.add_done_callback(lambda _, n=(stop - start) * store.seq_len: bar.update(n))
+    if pending is not None:
+      pending.result()
   return store
+
+
+def _pad_rows(x, rows):
+  # Every call gets `rows` rows, so the step compiles once; the padding rows' outputs are dropped.
+  return np.pad(x, [(0, rows - len(x))] + [(0, 0)] * (x.ndim - 1))

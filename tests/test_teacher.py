@@ -1,30 +1,24 @@
 """Teacher cache writing: top-k against a dense float64 reference, crash and resume, checks."""
 import os
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from kdjax import cache, teacher
+from kdjax.models import llama
 
 V, T, D, K = 61, 12, 16, 7
 
 
-class TinyTeacher(nnx.Module):
-  """Follows the model contract of ARCHITECTURE.md with a few parameters."""
-
-  def __init__(self, vocab, seed=0):
-    rng = np.random.default_rng(seed)
-    self.embed_VxD = nnx.Param(jnp.asarray(rng.normal(size=(vocab, D)), jnp.float32))
-    self.mix_DxD = nnx.Param(jnp.asarray(rng.normal(size=(D, D)) / 4, jnp.float32))
-
-  def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT):
-    x_BxTxD = self.embed_VxD[...][tokens_BxT] + 0.1 * positions_BxT[..., None]
-    return 2.0 * jnp.tanh(x_BxTxD @ self.mix_DxD[...]) * (segment_ids_BxT > 0)[..., None]
-
-  def lm_head_DxV(self):
-    return self.embed_VxD[...].T
+def make_teacher(vocab=V, seed=0):
+  """A one-layer Llama whose embeddings are scaled up so the teacher is confident (no near-ties)."""
+  cfg = llama.ModelConfig(vocab_size=vocab, d_model=D, n_layers=1, n_heads=2, n_kv_heads=1,
+                          head_dim=8, d_ff=32, rope_theta=1e4, rope_scaling=None, norm_eps=1e-5,
+                          tie_embeddings=True, qk_norm=False)
+  model = llama.Transformer(cfg, rngs=nnx.Rngs(seed))
+  model.embed_VxD[...] = model.embed_VxD[...] * 100.0
+  return model
 
 
 def make_data(path, num_seqs=10, region_rows=3, seed=0):
@@ -60,7 +54,7 @@ def store_files(path):
 
 
 def test_topk_matches_dense_reference(tmp_path):
-  model = TinyTeacher(V)
+  model = make_teacher()
   data = make_data(tmp_path / "data")
   write(model, data, tmp_path / "cache")
   got = cache.open(tmp_path / "cache", vocab_size=V, k=K, seq_len=T, tokenizer_hash="tok")
@@ -82,7 +76,7 @@ def test_topk_matches_dense_reference(tmp_path):
 
 
 def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path, monkeypatch):
-  model = TinyTeacher(V)
+  model = make_teacher()
   data = make_data(tmp_path / "data")
   write(model, data, tmp_path / "whole")
 
@@ -108,11 +102,11 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path, monkeypatch)
 def test_lm_head_narrower_than_vocab_is_refused(tmp_path):
   data = make_data(tmp_path / "data")
   with pytest.raises(cache.CacheError, match="fewer than the vocabulary"):
-    write(TinyTeacher(V - 1), data, tmp_path / "cache")
+    write(make_teacher(V - 1), data, tmp_path / "cache")
 
 
 def test_resume_with_another_k_is_refused(tmp_path):
   data = make_data(tmp_path / "data")
-  write(TinyTeacher(V), data, tmp_path / "cache")
+  write(make_teacher(), data, tmp_path / "cache")
   with pytest.raises(cache.CacheError, match="different spec"):
-    write(TinyTeacher(V), data, tmp_path / "cache", k=K - 1)
+    write(make_teacher(), data, tmp_path / "cache", k=K - 1)

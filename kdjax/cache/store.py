@@ -12,6 +12,7 @@ the region record is written once those cover the region.
 """
 import builtins
 import datetime
+import glob
 import json
 import os
 import zlib
@@ -179,6 +180,9 @@ class Store:
     record = {"region": region, "start": start, "stop": stop, "files": files}
     record["record_crc32"] = zlib.crc32(json.dumps(record, sort_keys=True).encode())
     _write_json_atomic(self.region_record_path(region), record)
+    # Temporary records left by a writer killed before its rename: this writer owns the region.
+    for stale in glob.glob(glob.escape(self.region_record_path(region)) + ".tmp*"):
+      os.unlink(stale)
     for a, b in self._partial_rows():
       if start <= a and b <= stop:
         os.unlink(os.path.join(self._manifest_dir(), f"p{a:012d}-{b:012d}.json"))
