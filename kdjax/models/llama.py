@@ -24,6 +24,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                       "original_max_position_embeddings")
 
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Shapes and numerics of one model. Hashable: it is static metadata of the NNX module."""

@@ -1,0 +1,78 @@
+"""Reference side of the Hugging Face parity tests; runs under transformers + CPU torch.
+
+    .venv-hf/bin/python experiments/hf_reference.py jobs.json
+
+Runs in the side venv that tests/test_hf.py creates (Python 3.11: the CPU torch build these
+machines carry), never in kdjax's venv. jobs.json:
+
+    {"make":   [{"dir", "model_type", "config": {...}, "seed", "max_shard_size" (or null),
+                 "tokenizer_vocab" (or null)}],
+     "logits": [{"dir", "inputs": "x.npz" (tokens, positions, segment_ids [B, T]), "out": "y.npy"}]}
+
+"make" saves a tiny random model (norm scales randomised too, so a swapped or dropped norm shows)
+and, with tokenizer_vocab, a word-level tokenizer.json defining that many tokens. "logits" loads
+a directory with AutoModelForCausalLM and writes float64 logits [B, T, V], running each document
+(contiguous run of one nonzero segment id) alone with its position ids; padding rows stay zero.
+"""
+import json
+import sys
+
+import numpy as np
+import torch
+import transformers
+
+
+def make(job: dict) -> None:
+  torch.manual_seed(job["seed"])
+  config = transformers.AutoConfig.for_model(job["model_type"], **job["config"])
+  model = transformers.AutoModelForCausalLM.from_config(config).float()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight"):
+        p.copy_(1.0 + 0.2 * torch.randn_like(p))
+  kwargs = {"max_shard_size": job["max_shard_size"]} if job.get("max_shard_size") else {}
+  model.save_pretrained(job["dir"], **kwargs)
+  if job.get("tokenizer_vocab"):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {f"w{i}": i for i in range(job["tokenizer_vocab"] - 1)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|endoftext|>"])  # an added token: the real vocab counts it
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(job["dir"])
+
+
+def logits(job: dict) -> None:
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      job["dir"], attn_implementation="eager").double().eval()
+  data = np.load(job["inputs"])
+  tokens, positions, segment_ids = data["tokens"], data["positions"], data["segment_ids"]
+  out = np.zeros(tokens.shape + (model.config.vocab_size,), np.float64)
+  for b in range(tokens.shape[0]):
+    t = 0
+    while t < tokens.shape[1]:
+      seg = segment_ids[b, t]
+      end = t
+      while end < tokens.shape[1] and segment_ids[b, end] == seg:
+        end += 1
+      if seg != 0:
+        with torch.no_grad():
+          result = model(input_ids=torch.tensor(tokens[b:b + 1, t:end], dtype=torch.long),
+                         position_ids=torch.tensor(positions[b:b + 1, t:end], dtype=torch.long))
+        out[b, t:end] = result.logits[0].numpy()
+      t = end
+  np.save(job["out"], out)
+
+
+def main() -> None:
+  with open(sys.argv[1]) as f:
+    jobs = json.load(f)
+  for job in jobs.get("make", []):
+    make(job)
+  for job in jobs.get("logits", []):
+    logits(job)
+  print(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__}))
+
+
+if __name__ == "__main__":
+  main()
