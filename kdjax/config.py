@@ -62,9 +62,9 @@ def base() -> ml_collections.ConfigDict:
   c.data.text_field = "text"  # jsonl/parquet field holding plain text
   c.data.messages_field = "messages"  # field holding chat turns (used when present)
   c.data.loss_mask = "all"  # "all" tokens or "assistant" turns only (chat data)
-  c.data.max_bytes = 4_000_000  # cap on source text read, bytes (0 = no cap)
+  c.data.max_bytes = 4_000_000  # soft cap on text read, bytes (0 = none)
   c.data.seq_len = 256  # tokens per packed sequence
-  c.data.eval_every = 20  # every n-th document is held out for evaluation
+  c.data.eval_every = 20  # documents 0, n, 2n, ... are held out for evaluation
   c.data.tokenizer = ""  # tokenizer.json or HF dir; "" = train a BPE on the source
   c.data.vocab_size = 2048  # BPE size when training a tokenizer
 

@@ -13,7 +13,7 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv):
   del argv
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+  logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every checkpoint at INFO
   logging.info("devices: %s", jax.devices())
   pipeline.run(flags.FLAGS.config)
 
