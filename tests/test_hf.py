@@ -33,8 +33,9 @@ COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_att
               num_key_value_heads=2, rms_norm_eps=1e-6, initializer_range=0.1,
               max_position_embeddings=256)
 ARCHS = {
-    "llama3_untied": dict(model_type="llama", tokenizer_vocab=None, max_shard_size=None, config=dict(
-        COMMON, vocab_size=256, head_dim=16, tie_word_embeddings=False, rope_theta=500000.0,
+    "llama3_untied": dict(
+        model_type="llama", tokenizer_vocab=None, max_shard_size=None, config=dict(
+            COMMON, vocab_size=256, head_dim=16, tie_word_embeddings=False, rope_theta=500000.0,
         # original_max_position_embeddings 16 puts the test positions (up to ~60) in the
         # scaled regime, so every branch of llama3 scaling is exercised.
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
@@ -213,3 +214,15 @@ def test_trained_student_exports(checkpoints, exported):
   models, exported_refs = exported
   assert not np.allclose(exported_refs["student_export"], refs["qwen3_student"])
   assert_parity(models["student_export"], inputs, exported_refs["student_export"])
+
+
+def test_bfloat16_teacher_close(checkpoints):
+  # bfloat16 weights and compute: a loose check that the fast teacher path is the same model.
+  work, inputs, refs = checkpoints
+  model, cfg = hf.load(str(work / "qwen3"), dtype="bfloat16")
+  assert model.embed_VxD.dtype == jnp.bfloat16
+  got = np.asarray(kdjax_logits(model, *(jnp.asarray(inputs[k]) for k in
+                                         ("tokens", "positions", "segment_ids"))))
+  real = inputs["segment_ids"] != 0
+  ref = refs["qwen3"][..., :got.shape[-1]][real]
+  assert np.abs(got[real] - ref).max() / np.abs(ref).max() < 3e-2

@@ -169,13 +169,22 @@ def test_bad_shards(tmp_path, monkeypatch):
     hf.load(path)
 
 
-def test_export_copies_tokenizer_files(tmp_path):
+def test_export_over_previous_export_with_tokenizer(tmp_path, monkeypatch):
   src = tmp_path / "src"
   src.mkdir()
-  for name in ("tokenizer.json", "tokenizer_config.json", "unrelated.txt"):
+  for name in ("tokenizer_config.json", "unrelated.txt"):
     (src / name).write_text("{}")
+  (src / "config.json").write_text(json.dumps({"eos_token_id": 7, "max_position_embeddings": 99,
+                                               "hidden_size": 1}))
   cfg = dataclasses.replace(make_cfg(), dtype="bfloat16")
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
   out = tmp_path / "out"
-  hf.export(Transformer(cfg, rngs=nnx.Rngs(0)), cfg, str(out), tokenizer_dir=str(src))
-  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json",
-                                     "tokenizer_config.json"]
+  monkeypatch.setattr(hf, "_SHARD_BYTES", 3000)
+  hf.export(model, cfg, str(out))
+  monkeypatch.setattr(hf, "_SHARD_BYTES", 1 << 30)
+  hf.export(model, cfg, str(out), tokenizer_dir=str(src))  # the old shards and index go
+  assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer_config.json"]
+  config = json.load(open(out / "config.json"))
+  assert (config["eos_token_id"], config["max_position_embeddings"]) == (7, 99)
+  assert config["hidden_size"] == 16
+  assert hf.load(str(out), dtype="bfloat16", param_dtype="float32")[1] == cfg

@@ -31,6 +31,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json",
                    "merges.txt", "added_tokens.json", "generation_config.json")
 _SHARD_BYTES = 4 << 30
+# Fields export() takes from the source checkpoint's config.json: they describe the tokenizer
+# and serving limits, which ModelConfig does not hold.
+_SOURCE_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+_DEFAULT_MAX_POSITIONS = 8192
 
 
 class CheckpointError(ValueError):
@@ -234,7 +238,7 @@ def hf_config(cfg: ModelConfig, *, torch_dtype: str) -> dict:
       "intermediate_size": cfg.d_ff, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
       "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
       "attention_bias": False, "torch_dtype": torch_dtype,
-      "max_position_embeddings": 131072 if cfg.rope_scaling else 32768,
+      "max_position_embeddings": _DEFAULT_MAX_POSITIONS,
   }
   if cfg.rope_scaling is not None:
     out["rope_scaling"] = {"rope_type": "llama3", **dict(cfg.rope_scaling)}
@@ -253,11 +257,21 @@ def export(model: Transformer, cfg: ModelConfig, out_dir: str, *, tokenizer_dir:
     model, cfg: the model to write (all embedding rows, padding rows included).
     out_dir: created if needed; config.json, model.safetensors (or shards of <= 4 GiB with
       model.safetensors.index.json).
-    tokenizer_dir: directory whose tokenizer files (TOKENIZER_FILES) are copied alongside.
+    tokenizer_dir: directory whose tokenizer files (TOKENIZER_FILES) are copied alongside; if it
+      holds a config.json (a checkpoint directory), its token ids and max_position_embeddings
+      are kept (otherwise max_position_embeddings is 8192).
     dtype: "float32" or "bfloat16" for the stored tensors; defaults to cfg.param_dtype.
   """
   dtype = dtype or cfg.param_dtype
+  config = hf_config(cfg, torch_dtype=dtype)
+  if tokenizer_dir is not None and os.path.exists(os.path.join(tokenizer_dir, "config.json")):
+    source = _read_json(os.path.join(tokenizer_dir, "config.json"))
+    config.update({k: v for k, v in source.items() if k in _SOURCE_FIELDS})
   os.makedirs(out_dir, exist_ok=True)
+  for file in os.listdir(out_dir):  # a stale index or shard would shadow the new weights
+    if file == "config.json" or file.startswith("model") and file.endswith((".safetensors",
+                                                                             ".json")):
+      os.remove(os.path.join(out_dir, file))
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
   for name, hf_shape, kd_path, _ in _hf_names(cfg):
@@ -281,9 +295,10 @@ def export(model: Transformer, cfg: ModelConfig, out_dir: str, *, tokenizer_dir:
              "weight_map": {n: file for file, s in zip(files, shards) for n in s}}
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
       json.dump(index, f, indent=2)
-  with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(hf_config(cfg, torch_dtype=dtype), f, indent=2)
-  if tokenizer_dir is not None:
+  if tokenizer_dir is not None and os.path.abspath(tokenizer_dir) != os.path.abspath(out_dir):
     for file in TOKENIZER_FILES:
       if os.path.exists(os.path.join(tokenizer_dir, file)):
         shutil.copy(os.path.join(tokenizer_dir, file), os.path.join(out_dir, file))
+  # config.json last: its presence marks a complete export.
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(config, f, indent=2)
