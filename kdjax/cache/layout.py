@@ -39,14 +39,17 @@ def array_dtypes(k, vocab_size, layout):
   return dtypes
 
 
-def zarr_metadata(shape, dtype, region_rows):
-  """zarr v3 metadata: one shard per region of rows, one inner chunk per row."""
+def zarr_metadata(shape, dtype, region_rows, *, shuffle=None, clevel=5):
+  """zarr v3 metadata: one shard per region of rows, one inner chunk per row.
+
+  shuffle: blosc's "shuffle" (bytes), "bitshuffle" or "noshuffle"; default bytes for multi-byte types.
+  """
   itemsize = np.dtype(dtype).itemsize
   inner = [{"name": "bytes", "configuration": {"endian": "little"} if itemsize > 1 else {}}]
   # Byte shuffle groups the high bytes of small integers together before zstd.
+  shuffle = shuffle or ("shuffle" if itemsize > 1 else "noshuffle")
   inner.append({"name": "blosc", "configuration": {
-      "cname": "zstd", "clevel": 5, "shuffle": "shuffle" if itemsize > 1 else "noshuffle",
-      "typesize": itemsize, "blocksize": 0}})
+      "cname": "zstd", "clevel": clevel, "shuffle": shuffle, "typesize": itemsize, "blocksize": 0}})
   inner.append({"name": "crc32c"})
   index_codecs = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
   return {
@@ -61,8 +64,8 @@ def zarr_metadata(shape, dtype, region_rows):
   }
 
 
-def encode_topk(ids_SxTxK, logprobs_SxTxK, dtypes):
-  """Caller's int ids / float32 log-probs -> what is stored."""
+def encode_topk(ids_SxTxK, logprobs_SxTxK, dtypes, scale=LOGPROB_SCALE):
+  """Caller's int ids / float32 log-probs -> what is stored (scale: compact log-prob step)."""
   ids = ids_SxTxK.astype(dtypes["topk_ids"])
   if dtypes["topk_logprobs"] == "float32":
     return ids, logprobs_SxTxK.astype(np.float32)
@@ -71,16 +74,19 @@ def encode_topk(ids_SxTxK, logprobs_SxTxK, dtypes):
   order = np.argsort(-logprobs_SxTxK, axis=-1, kind="stable")
   ids = np.take_along_axis(ids, order, axis=-1)
   neg = -np.take_along_axis(logprobs_SxTxK.astype(np.float64), order, axis=-1)
-  steps = np.rint(neg / LOGPROB_SCALE).astype(np.int64)
+  steps = np.rint(neg / scale).astype(np.int64)
   steps = np.minimum(np.maximum.accumulate(steps, axis=-1), MAX_GAP)
   gaps = np.diff(steps, axis=-1, prepend=0)
   return ids, gaps.astype(np.uint16)
 
 
-def decode_topk(ids_SxTxK, stored_SxTxK, dtypes):
+def decode_topk(ids_SxTxK, stored_SxTxK, dtypes, scale=LOGPROB_SCALE):
   """Stored top-k arrays -> int32 ids, float32 log-probs."""
   ids = ids_SxTxK.astype(np.int32)
   if dtypes["topk_logprobs"] == "float32":
     return ids, stored_SxTxK
-  steps = np.cumsum(stored_SxTxK, axis=-1, dtype=np.int64)
-  return ids, (steps * -LOGPROB_SCALE).astype(np.float32)
+  # Encoding keeps every cumulative sum <= MAX_GAP, so uint16 accumulation cannot wrap (on
+  # intact data; damaged chunks fail their crc32c first). uint16 is ~3x faster than int64 here.
+  logprobs = np.cumsum(stored_SxTxK, axis=-1, dtype=np.uint16).astype(np.float32)
+  logprobs *= np.float32(-scale)
+  return ids, logprobs

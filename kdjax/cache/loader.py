@@ -4,19 +4,23 @@ Epoch e visits the rows in the order of a permutation drawn from (seed, e), in b
 batch_size; the last incomplete batch of an epoch is dropped so every batch has one shape (one
 compiled train step), and the next epoch's permutation brings those rows back. The loader's whole
 state is (epoch, step): saved with a checkpoint, it makes a resumed run see the same batches.
+
+Reading runs ahead in background threads: `prefetch` batches are in flight, read by `workers`
+threads (tensorstore and numpy release the GIL while decompressing and decoding); batches are
+handed out in order whatever thread finishes first.
 """
 import atexit
-import queue
-import threading
+import collections
+import concurrent.futures
+import os
 import weakref
 
 import numpy as np
 
 from kdjax.cache.errors import CacheError
 
-
-# Prefetch threads are stopped before interpreter shutdown: a daemon thread killed inside a
-# tensorstore read aborts the process.
+# Reader threads are stopped before interpreter shutdown: a thread killed inside a tensorstore
+# read aborts the process.
 _RUNNING = weakref.WeakSet()
 atexit.register(lambda: [loader.close() for loader in list(_RUNNING)])
 
@@ -24,7 +28,7 @@ atexit.register(lambda: [loader.close() for loader in list(_RUNNING)])
 class Loader:
   """Iterator of numpy batch dicts (store.read of batch_size rows). Holds no jax."""
 
-  def __init__(self, store, batch_size, seed, shuffle=True, prefetch=4):
+  def __init__(self, store, batch_size, seed, shuffle=True, prefetch=4, workers=None):
     if store.num_seqs < batch_size:
       raise CacheError(f"{store.path} holds {store.num_seqs} rows, fewer than batch_size="
                        f"{batch_size}: lower the batch size or build a bigger store.")
@@ -34,64 +38,59 @@ class Loader:
     self.shuffle = shuffle
     self.batches_per_epoch = store.num_seqs // batch_size
     self._prefetch = prefetch
-    self._epoch, self._step = 0, 0
-    self._thread = None
+    self._workers = workers or min(4, os.cpu_count() or 1)
+    self._epoch, self._step = 0, 0  # of the next batch handed out
+    self._pool = None
+    self._pending = collections.deque()  # futures of the batches after (epoch, step), in order
+    self._orders = {}
 
   def order(self, epoch):
     """The rows of epoch `epoch` in visiting order."""
-    if self.shuffle:
-      return np.random.default_rng([self.seed, epoch]).permutation(self.store.num_seqs)
-    return np.arange(self.store.num_seqs)
+    if epoch not in self._orders:
+      self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+      if self.shuffle:
+        self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(
+            self.store.num_seqs)
+      else:
+        self._orders[epoch] = np.arange(self.store.num_seqs)
+    return self._orders[epoch]
 
-  def _work(self, epoch, step, out, stop):
-    try:
-      order_epoch, order = None, None
-      while not stop.is_set():
-        if order_epoch != epoch:
-          order_epoch = epoch
-          order = self.order(epoch)
-        rows = order[step * self.batch_size:(step + 1) * self.batch_size]
-        item = (epoch, step, self.store.read(rows))
-        while not stop.is_set():
-          try:
-            out.put(item, timeout=0.1)
-            break
-          except queue.Full:
-            pass
-        step += 1
-        if step == self.batches_per_epoch:
-          epoch, step = epoch + 1, 0
-    except Exception as e:  # handed to the consumer, which raises it
-      out.put((epoch, step, e))
+  def _position(self, ahead):
+    flat = self._epoch * self.batches_per_epoch + self._step + ahead
+    return divmod(flat, self.batches_per_epoch)
 
-  def _start(self):
-    self._queue = queue.Queue(self._prefetch)
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._work, daemon=True,
-                                    args=(self._epoch, self._step, self._queue, self._stop))
-    self._thread.start()
-    _RUNNING.add(self)
+  def _fill(self):
+    if self._pool is None:
+      self._pool = concurrent.futures.ThreadPoolExecutor(self._workers,
+                                                         thread_name_prefix="cache-loader")
+      _RUNNING.add(self)
+    while len(self._pending) < self._prefetch:
+      epoch, step = self._position(len(self._pending))
+      rows = self.order(epoch)[step * self.batch_size:(step + 1) * self.batch_size]
+      self._pending.append(self._pool.submit(self.store.read, rows))
 
   def close(self):
-    if self._thread is not None:
-      self._stop.set()
-      self._thread.join()
-      self._thread = None
+    """Stops the reader threads; iteration may continue later (they restart)."""
+    for future in self._pending:
+      future.cancel()
+    self._pending.clear()
+    if self._pool is not None:
+      self._pool.shutdown(wait=True)
+      self._pool = None
 
   def __iter__(self):
     return self
 
   def __next__(self):
-    if self._thread is None:
-      self._start()
-    epoch, step, batch = self._queue.get()
-    if isinstance(batch, Exception):
-      self.close()
-      raise batch
-    assert (epoch, step) == (self._epoch, self._step)
-    self._step += 1
-    if self._step == self.batches_per_epoch:
-      self._epoch, self._step = self._epoch + 1, 0
+    self._fill()
+    try:
+      batch = self._pending[0].result()
+    except BaseException:
+      self.close()  # a retry reads this batch again
+      raise
+    self._pending.popleft()
+    self._epoch, self._step = self._position(1)
+    self._fill()
     return batch
 
   def state(self):

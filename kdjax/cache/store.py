@@ -69,6 +69,7 @@ class Store:
     self.layout = attrs["layout"]
     self.region_rows = attrs["region_rows"]
     self.dtypes = attrs["dtypes"]
+    self._scale = attrs.get("logprob_scale", layout_lib.LOGPROB_SCALE)
     self.num_regions = -(-self.num_seqs // self.region_rows)
     futures = {name: ts.open(self._ts_spec(name), create=create, open=True) for name in self.dtypes}
     self._arrays = {name: future.result() for name, future in futures.items()}
@@ -155,7 +156,7 @@ class Store:
     stored = dict(batch)
     if self.k > 0:
       stored["topk_ids"], stored["topk_logprobs"] = layout_lib.encode_topk(
-          batch["topk_ids"], batch["topk_logprobs"], self.dtypes)
+          batch["topk_ids"], batch["topk_logprobs"], self.dtypes, self._scale)
     futures = [self._arrays[name][start:stop].write(arr.astype(self.dtypes[name]))
                for name, arr in stored.items()]
     for future in futures:
@@ -192,26 +193,22 @@ class Store:
 
     rows: a slice, or a sequence of row indices (any order, repeats allowed).
     """
-    if isinstance(rows, slice):
-      index, inverse = rows, None
-    else:
-      index, inverse = np.unique(np.asarray(rows, np.int64), return_inverse=True)
-      if len(index) and (index[0] < 0 or index[-1] >= self.num_seqs):
+    if not isinstance(rows, slice):
+      rows = np.asarray(rows, np.int64)
+      if rows.size and (rows.min() < 0 or rows.max() >= self.num_seqs):
         raise CacheError(f"{self.path}: rows must lie in 0..{self.num_seqs}")
     where = f"{self.path}: rows {_describe_rows(rows)}"
     fix = (f"The store is corrupt: run `python -m kdjax.cache verify --fix {self.path}`, then "
            f"re-run the stage that wrote it to rewrite the bad regions.")
-    futures = {name: arr[index].read() for name, arr in self._arrays.items()}
+    futures = {name: arr[rows].read() for name, arr in self._arrays.items()}
     try:
       out = {name: future.result() for name, future in futures.items()}
     except ValueError as e:  # tensorstore: checksum mismatch, truncated or unreadable shard
       raise CacheError(f"{where}: {e}. {fix}") from e
-    if inverse is not None:
-      out = {name: arr[inverse] for name, arr in out.items()}
     out["tokens"] = out["tokens"].astype(np.int32)
     if self.k > 0:
       out["topk_ids"], out["topk_logprobs"] = layout_lib.decode_topk(
-          out["topk_ids"], out["topk_logprobs"], self.dtypes)
+          out["topk_ids"], out["topk_logprobs"], self.dtypes, self._scale)
       _check_ids(out["topk_ids"], self.vocab_size, where, fix)
       _check_logprobs(out["topk_logprobs"], where, fix)
     return out

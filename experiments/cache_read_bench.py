@@ -1,0 +1,97 @@
+"""Reading throughput of a teacher cache from local disk, through cache.Loader (shuffled, prefetched).
+
+    python experiments/cache_read_bench.py --dir /tmp/read_bench --rows 96 --seq-len 8192 --k 100
+
+Builds (once; reused when present) a cache of synthetic teacher outputs with the given shape and
+layout, then times `--batches` shuffled batches of `--batch-size` rows through cache.Loader, after
+one warm-up batch, and the same number of reads without the prefetch thread. Prints tokens/s
+(positions of teacher data decoded, checked and handed over as numpy arrays per second), and bytes
+per position on disk. The page cache is not dropped: a second run reads from memory; compare with
+`--cold`, which evicts the store's files first (posix_fadvise DONTNEED, no root needed).
+"""
+import argparse
+import os
+import time
+
+import numpy as np
+
+from kdjax import cache
+
+
+def build(path, rows, seq_len, k, vocab, layout):
+  """Synthetic rows: Zipf-distributed ids, descending log-probs with a realistic spread."""
+  store = cache.create(path, num_seqs=rows, seq_len=seq_len, k=k, vocab_size=vocab,
+                       attrs={"source": "synthetic", "teacher": "synthetic"}, layout=layout)
+  rng = np.random.default_rng(0)
+  for start, stop in store.missing():
+    n = stop - start
+    ids = (rng.zipf(1.2, (n, seq_len, k)) - 1) % vocab
+    logprobs = -np.cumsum(rng.exponential(0.12, (n, seq_len, k)), -1) - rng.exponential(1, (n, seq_len, 1))
+    segment_ids = np.ones((n, seq_len), np.int32)
+    store.write(start, {"tokens": rng.integers(0, vocab, (n, seq_len), dtype=np.int32),
+                        "segment_ids": segment_ids,
+                        "positions": np.tile(np.arange(seq_len, dtype=np.int32), (n, 1)),
+                        "loss_mask": segment_ids > 0, "topk_ids": ids.astype(np.int32),
+                        "topk_logprobs": logprobs.astype(np.float32)})
+  return cache.open(path)
+
+
+def evict(path):
+  for root, _, names in os.walk(path):
+    for name in names:
+      fd = os.open(os.path.join(root, name), os.O_RDONLY)
+      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+      os.close(fd)
+
+
+def disk_bytes(path):
+  return sum(os.path.getsize(os.path.join(root, name))
+             for root, _, names in os.walk(path) for name in names)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--dir", default="/tmp/kdjax_read_bench", help="where the cache is built")
+  parser.add_argument("--rows", type=int, default=96, help="sequences in the cache")
+  parser.add_argument("--seq-len", type=int, default=8192, help="positions per sequence")
+  parser.add_argument("--k", type=int, default=100, help="top-k entries per position")
+  parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+  parser.add_argument("--layout", default="compact", choices=("compact", "float32"))
+  parser.add_argument("--batch-size", type=int, default=8, help="rows per batch")
+  parser.add_argument("--batches", type=int, default=24, help="batches timed")
+  parser.add_argument("--cold", action="store_true", help="evict the files from the page cache first")
+  args = parser.parse_args()
+
+  path = os.path.join(args.dir, f"{args.layout}_{args.rows}x{args.seq_len}_k{args.k}_v{args.vocab}")
+  start = time.perf_counter()
+  store = build(path, args.rows, args.seq_len, args.k, args.vocab, args.layout)
+  print(f"store {path}: {store.num_seqs} x {store.seq_len}, k={store.k}, {args.layout}, "
+        f"{disk_bytes(path) / (store.num_seqs * store.seq_len):.1f} B/position on disk "
+        f"(ready in {time.perf_counter() - start:.1f} s); {os.cpu_count()} CPUs")
+  tokens = args.batches * args.batch_size * store.seq_len
+
+  if args.cold:
+    evict(path)
+  loader = cache.Loader(store, args.batch_size, seed=0)
+  next(loader)
+  start = time.perf_counter()
+  for _ in range(args.batches):
+    batch = next(loader)
+  seconds = time.perf_counter() - start
+  loader.close()
+  assert batch["topk_logprobs"].shape == (args.batch_size, store.seq_len, store.k)
+  print(f"Loader (shuffled, prefetch): {tokens / seconds:,.0f} tokens/s "
+        f"({seconds / args.batches * 1e3:.1f} ms per batch of {args.batch_size} x {store.seq_len})")
+
+  if args.cold:
+    evict(path)
+  order = np.random.default_rng(1).permutation(store.num_seqs)
+  start = time.perf_counter()
+  for i in range(args.batches):
+    store.read(np.take(order, np.arange(i * args.batch_size, (i + 1) * args.batch_size), mode="wrap"))
+  seconds = time.perf_counter() - start
+  print(f"store.read, no prefetch:     {tokens / seconds:,.0f} tokens/s")
+
+
+if __name__ == "__main__":
+  main()
