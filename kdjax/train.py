@@ -111,7 +111,7 @@ class Checkpoints:
   """Orbax checkpoints of the train state, the loader position and the model shape."""
 
   def __init__(self, directory: str, model_cfg: llama.ModelConfig):
-    self.model_meta = json.loads(json.dumps(dataclasses.asdict(model_cfg)))
+    self.model_meta = json.loads(json.dumps(dataclasses.asdict(model_cfg), default=dict))
     self.manager = ocp.CheckpointManager(
         os.path.abspath(directory), options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
 

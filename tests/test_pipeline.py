@@ -1,0 +1,65 @@
+"""End to end through `python -m kdjax.main` on the :smoke configs: every stage, its outputs, its
+skipping of complete work, and the boundary checks between a cache and the config reading it."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_main(config: str, workdir, *overrides, check=True):
+  out = subprocess.run(
+      [sys.executable, "-m", "kdjax.main", f"--config={ROOT}/configs/{config}",
+       f"--config.workdir={workdir}", *overrides],
+      capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  if check and out.returncode != 0:
+    raise AssertionError(f"kdjax.main failed:\n{out.stderr[-4000:]}")
+  return out
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("demo")
+  out = run_main("demo.py:smoke", workdir)
+  return workdir, out
+
+
+def test_demo_smoke_runs_every_stage_and_reports(demo_run):
+  workdir, out = demo_run
+  for path in ("config.json", "eval.json", "data/tokenizer.json", "data/train.zarr",
+               "cache/train.zarr", "cache/eval.zarr", "teacher/metrics.jsonl",
+               "student/metrics.jsonl", "baseline/metrics.jsonl"):
+    assert os.path.exists(workdir / path), path
+  results = json.load(open(workdir / "eval.json"))
+  assert set(results) == {"student_init", "teacher", "student", "baseline"}
+  # The cache was written by this teacher: its KL to its own cache is zero and top-1 agrees.
+  assert abs(results["teacher"]["kl"]) < 1e-3
+  assert results["teacher"]["top1_agreement"] > 0.999
+  assert "KL to teacher" in out.stderr and "distillation cut" in out.stderr
+  steps = [json.loads(line)["step"] for line in open(workdir / "student/metrics.jsonl")]
+  assert steps == [2, 4, 6]
+
+
+def test_rerun_skips_complete_stages(demo_run):
+  workdir, _ = demo_run
+  before = open(workdir / "student/metrics.jsonl").read()
+  out = run_main("demo.py:smoke", workdir)
+  assert "complete; skipping" in out.stderr
+  assert open(workdir / "student/metrics.jsonl").read() == before
+
+
+def test_cache_with_other_k_is_refused(demo_run):
+  workdir, _ = demo_run
+  out = run_main("demo.py:smoke", workdir, "--config.stages=('train',)", "--config.cache.k=4",
+                 "--config.workdir=" + str(workdir), check=False)
+  assert out.returncode != 0
+  assert "k" in out.stderr.splitlines()[-1]
+
+
+def test_long_context_smoke_config_runs(tmp_path):
+  run_main("32k.py:smoke", tmp_path / "w")
+  results = json.load(open(tmp_path / "w" / "eval.json"))
+  assert set(results) == {"student_init", "teacher", "student"}
