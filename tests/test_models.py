@@ -67,6 +67,22 @@ def test_attention_matches_reference():
                              rtol=1e-5, atol=1e-5)
 
 
+def test_fused_attention_matches_reference():
+  # The cuDNN path's mask and padding handling, run through XLA's implementation on CPU.
+  rng = np.random.default_rng(2)
+  q = rng.standard_normal((2, 9, 4, 8)).astype(np.float32)
+  k = rng.standard_normal((2, 9, 2, 8)).astype(np.float32)
+  v = rng.standard_normal((2, 9, 2, 8)).astype(np.float32)
+  seg = np.array([[1, 1, 2, 2, 2, 3, 0, 0, 0], [0, 1, 1, 1, 1, 1, 1, 2, 2]], np.int32)
+  args = [jnp.asarray(a) for a in (q, k, v, seg)]
+  out = llama.attention_fused(*args, implementation="xla")
+  np.testing.assert_allclose(np.asarray(out), attention_reference(q, k, v, seg),
+                             rtol=1e-5, atol=1e-5)
+  # On CPU "auto" is the einsum reference.
+  np.testing.assert_array_equal(np.asarray(llama.attention(*args)),
+                                np.asarray(llama.attention_einsum(*args)))
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_shapes_and_tying(tie):
   cfg = make_cfg(tie_embeddings=tie)
@@ -140,6 +156,16 @@ def test_padding_changes_nothing_and_stays_finite():
   assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
 
 
+def test_remat_changes_nothing():
+  args = inputs()
+  grads = {}
+  for remat in (True, False):
+    model = Transformer(make_cfg(qk_norm=True, remat=remat), rngs=nnx.Rngs(0))
+    grads[remat] = nnx.jit(nnx.grad(lambda m: jnp.sum(m(*args) ** 2)))(model)
+  for a, b in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def test_jit_equals_eager():
   model = Transformer(make_cfg(qk_norm=True), rngs=nnx.Rngs(0))
   args = inputs()
@@ -198,17 +224,20 @@ def test_from_config_and_validation():
   group = ml_collections.ConfigDict(dict(
       checkpoint="", vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
       d_ff=48, rope_theta=5e5, norm_eps=1e-5, tie_embeddings=True, qk_norm=False,
-      dtype="bfloat16", param_dtype="float32",
+      dtype="bfloat16", param_dtype="float32", remat=False,
       rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                         original_max_position_embeddings=8192)))
   cfg = ModelConfig.from_config(group)
   assert cfg.d_model == 32 and cfg.rope_scaling["factor"] == 8.0 and cfg.dtype == "bfloat16"
+  assert not cfg.remat
   with pytest.raises(ValueError, match="multiple of n_kv_heads"):
     make_cfg(n_heads=4, n_kv_heads=3).validate()
   with pytest.raises(ValueError, match="d_model must be a positive integer"):
     make_cfg(d_model=0).validate()
   with pytest.raises(ValueError, match="dtype"):
     make_cfg(dtype="float16").validate()
+  with pytest.raises(ValueError, match="attention_impl"):
+    make_cfg(attention_impl="flash").validate()
 
 
 def test_flops_per_token():

@@ -76,8 +76,8 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
                                                "original_max_position_embeddings")}
 
 
-def config_from_hf(path: str, *, dtype: str = "float32",
-                   param_dtype: str | None = None) -> ModelConfig:
+def config_from_hf(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
+                   remat: bool = True) -> ModelConfig:
   """ModelConfig from a checkpoint's config.json (+ tokenizer.json for the real vocabulary)."""
   hf = _read_json(os.path.join(path, "config.json"))
   model_type = hf.get("model_type")
@@ -107,7 +107,7 @@ def config_from_hf(path: str, *, dtype: str = "float32",
       d_ff=hf["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
       norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       qk_norm=model_type == "qwen3", dtype=dtype, param_dtype=param_dtype or dtype,
-      real_vocab_size=None if real in (None, vocab) else real)
+      real_vocab_size=None if real in (None, vocab) else real, remat=remat)
   return cfg.validate()
 
 
@@ -170,8 +170,8 @@ def _weight_files(path: str) -> dict[str, str]:
     return {name: "model.safetensors" for name in f.keys()}
 
 
-def load(path: str, *, dtype: str = "float32",
-         param_dtype: str | None = None) -> tuple[Transformer, ModelConfig]:
+def load(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
+         remat: bool = True) -> tuple[Transformer, ModelConfig]:
   """Loads a Hugging Face Llama 3.x / Qwen3 checkpoint directory into a Transformer.
 
   Args:
@@ -180,11 +180,12 @@ def load(path: str, *, dtype: str = "float32",
       lm_head_DxV()).
     dtype: compute dtype, "float32" or "bfloat16".
     param_dtype: parameter dtype; defaults to dtype. Stored tensors are cast to it.
+    remat: recompute each block in the backward pass (ModelConfig.remat).
   Returns:
     (model, cfg). Raises CheckpointError for unsupported architectures, missing or inconsistent
     shards, missing/unexpected tensors, wrong shapes, or non-float (quantised) tensors.
   """
-  cfg = config_from_hf(path, dtype=dtype, param_dtype=param_dtype)
+  cfg = config_from_hf(path, dtype=dtype, param_dtype=param_dtype, remat=remat)
   weight_map = _weight_files(path)
   wanted = list(_hf_names(cfg))
   missing = [name for name, *_ in wanted if name not in weight_map]
