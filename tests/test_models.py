@@ -230,6 +230,8 @@ def test_from_config_and_validation():
   cfg = ModelConfig.from_config(group)
   assert cfg.d_model == 32 and cfg.rope_scaling["factor"] == 8.0 and cfg.dtype == "bfloat16"
   assert not cfg.remat
+  group.rope_scaling = ml_collections.ConfigDict()  # empty group: no scaling
+  assert ModelConfig.from_config(group).rope_scaling is None
   with pytest.raises(ValueError, match="multiple of n_kv_heads"):
     make_cfg(n_heads=4, n_kv_heads=3).validate()
   with pytest.raises(ValueError, match="d_model must be a positive integer"):

@@ -50,7 +50,9 @@ class ModelConfig:
   attention_impl: str = "auto"  # "auto", "einsum" or "cudnn"; see attention()
 
   def __post_init__(self):
-    if self.rope_scaling is not None:
+    if not self.rope_scaling:  # an empty config group means no scaling
+      object.__setattr__(self, "rope_scaling", None)
+    else:
       scaling = dict(self.rope_scaling)
       kind = scaling.pop("rope_type", scaling.pop("type", "llama3"))
       if kind != "llama3":
