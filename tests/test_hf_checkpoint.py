@@ -81,7 +81,15 @@ def test_config_layouts_and_real_vocab(tmp_path):
   json.dump(tok, open(os.path.join(path, "tokenizer.json"), "w"))
   model, cfg = hf.load(path)
   assert cfg.real_vocab_size == 60 and model.lm_head_DxV().shape == (16, 60)
-  tok["added_tokens"].append({"id": 75, "content": "<c>"})
+  assert hf.config_from_hf(path, tokenizer_vocab=60).real_vocab_size == 60
+  with pytest.raises(hf.CheckpointError, match="use the checkpoint's own tokenizer"):
+    hf.config_from_hf(path, tokenizer_vocab=61)
+  os.remove(os.path.join(path, "tokenizer.json"))
+  assert hf.config_from_hf(path).real_vocab_size is None
+  assert hf.config_from_hf(path, tokenizer_vocab=65).real_vocab_size == 65
+  with pytest.raises(hf.CheckpointError, match="more than the checkpoint's 70"):
+    hf.config_from_hf(path, tokenizer_vocab=71)
+  tok["added_tokens"].append({"id": 75, "content": "<c>"})  # more tokens than rows
   json.dump(tok, open(os.path.join(path, "tokenizer.json"), "w"))
   with pytest.raises(hf.CheckpointError, match="do not belong together"):
     hf.load(path)

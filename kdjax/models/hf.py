@@ -77,8 +77,12 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
 
 
 def config_from_hf(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
-                   remat: bool = True) -> ModelConfig:
-  """ModelConfig from a checkpoint's config.json (+ tokenizer.json for the real vocabulary)."""
+                   remat: bool = True, tokenizer_vocab: int | None = None) -> ModelConfig:
+  """ModelConfig from a checkpoint's config.json (+ tokenizer.json for the real vocabulary).
+
+  tokenizer_vocab: the run's tokenizer size, when known; it must match the checkpoint's
+  tokenizer.json if there is one, and sets real_vocab_size where there is none.
+  """
   hf = _read_json(os.path.join(path, "config.json"))
   model_type = hf.get("model_type")
   if model_type not in SUPPORTED:
@@ -100,6 +104,14 @@ def config_from_hf(path: str, *, dtype: str = "float32", param_dtype: str | None
   if real is not None and real > vocab:
     raise CheckpointError(f"{path}: tokenizer.json has {real} tokens but the embedding table only "
                           f"{vocab} rows; tokenizer and weights do not belong together.")
+  if tokenizer_vocab is not None:
+    if real is not None and real != tokenizer_vocab:
+      raise CheckpointError(f"{path}: its tokenizer.json has {real} tokens, the run's tokenizer "
+                            f"{tokenizer_vocab}; use the checkpoint's own tokenizer.")
+    if tokenizer_vocab > vocab:
+      raise CheckpointError(f"{path}: the run's tokenizer has {tokenizer_vocab} tokens, more "
+                            f"than the checkpoint's {vocab} embedding rows.")
+    real = tokenizer_vocab
   cfg = ModelConfig(
       vocab_size=vocab, d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
       n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
@@ -171,7 +183,7 @@ def _weight_files(path: str) -> dict[str, str]:
 
 
 def load(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
-         remat: bool = True) -> tuple[Transformer, ModelConfig]:
+         remat: bool = True, tokenizer_vocab: int | None = None) -> tuple[Transformer, ModelConfig]:
   """Loads a Hugging Face Llama 3.x / Qwen3 checkpoint directory into a Transformer.
 
   Args:
@@ -181,11 +193,14 @@ def load(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
     dtype: compute dtype, "float32" or "bfloat16".
     param_dtype: parameter dtype; defaults to dtype. Stored tensors are cast to it.
     remat: recompute each block in the backward pass (ModelConfig.remat).
+    tokenizer_vocab: the run's tokenizer size, if known: checked against the checkpoint's
+      tokenizer.json, and used as real_vocab_size when the directory has none.
   Returns:
     (model, cfg). Raises CheckpointError for unsupported architectures, missing or inconsistent
     shards, missing/unexpected tensors, wrong shapes, or non-float (quantised) tensors.
   """
-  cfg = config_from_hf(path, dtype=dtype, param_dtype=param_dtype, remat=remat)
+  cfg = config_from_hf(path, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                       tokenizer_vocab=tokenizer_vocab)
   weight_map = _weight_files(path)
   wanted = list(_hf_names(cfg))
   missing = [name for name, *_ in wanted if name not in weight_map]
