@@ -6,7 +6,8 @@ Needs: CPU only, ~2 GB RAM, a few minutes. Corpus: the Python standard library's
 Stages: tokenise (a BPE trained here) -> pre-train a small teacher on hard labels -> cache its
 top-100 -> distil a 4x smaller student -> train the same student on hard labels only -> evaluate.
 Prints a report: the student's KL to the teacher and held-out cross-entropy before and after
-distillation, next to the hard-label student. Outputs in runs/demo/.
+distillation, next to the hard-label student. Outputs in runs/demo/; the student as a Hugging Face
+checkpoint in runs/demo/export/.
 """
 from kdjax import config
 
@@ -14,7 +15,7 @@ from kdjax import config
 def get_config(variant: str = ""):
   c = config.base()
   c.workdir = "runs/demo"
-  c.stages = ("data", "pretrain", "cache", "train", "baseline", "eval")
+  c.stages = ("data", "pretrain", "cache", "train", "baseline", "eval", "export")
   c.data.max_bytes = 1_500_000
   c.data.seq_len = 128
   c.data.vocab_size = 2048

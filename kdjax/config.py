@@ -4,7 +4,7 @@
 """
 import ml_collections
 
-STAGES = ("data", "pretrain", "cache", "train", "baseline", "eval")
+STAGES = ("data", "pretrain", "cache", "train", "baseline", "eval", "export")
 OBJECTIVES = ("sparse", "tail", "renorm")
 IMPLS = ("auto", "reference", "xla", "pallas", "paper")
 LAYOUTS = ("float32", "compact")

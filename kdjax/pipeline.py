@@ -7,6 +7,7 @@ Outputs under the workdir:
   cache/{train,eval}.zarr     the teacher's top-k per position (or cache.path)
   student/, baseline/         checkpoints and metrics.jsonl of the distilled / hard-label student
   eval.json                   held-out metrics of every model evaluated
+  export/                     (stage export) the student as a Hugging Face checkpoint directory
 """
 import dataclasses
 import json
@@ -56,9 +57,11 @@ def model_config(group: ml_collections.ConfigDict, vocab_size: int) -> llama.Mod
 
 
 def new_model(group, vocab_size: int, seed: int) -> tuple[nnx.Module, llama.ModelConfig]:
+  """A model from its Hugging Face checkpoint (group.hf_path) or freshly initialised."""
   if group.hf_path:
     from kdjax.models import hf  # imported lazily: only runs with checkpoints need safetensors
-    return hf.load(group.hf_path, dtype=group.dtype)
+    return hf.load(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
+                   remat=group.remat)
   cfg = model_config(group, vocab_size)
   return llama.Transformer(cfg, rngs=nnx.Rngs(seed)), cfg
 
@@ -68,15 +71,21 @@ def stage_data(c, paths: Paths):
              eval_path=paths.data("eval"))
 
 
-def _fit(c, paths, name, group, opt, store, hard_labels):
-  vocab = load_tokenizer(c, paths).vocab_size
-  model, cfg = new_model(group, vocab, c.seed)
-  return train.fit(name=name, model=model, model_cfg=cfg, store=store, workdir=paths.run(name),
-                   opt=opt, loss_cfg=c.loss, hard_labels=hard_labels, seed=c.seed)
+def _fit(c, paths, name, group, opt, open_store, hard_labels):
+  """Trains (or restores, when finished) the model of `group` on open_store(model_cfg)."""
+  model, cfg = new_model(group, load_tokenizer(c, paths).vocab_size, c.seed)
+  model = train.fit(name=name, model=model, model_cfg=cfg, store=open_store(cfg),
+                    workdir=paths.run(name), opt=opt, loss_cfg=c.loss, hard_labels=hard_labels,
+                    seed=c.seed)
+  return model, cfg
+
+
+def _open_data(c, paths: Paths, split: str):
+  return lambda cfg: cache.open(paths.data(split), seq_len=c.data.seq_len)
 
 
 def stage_pretrain(c, paths: Paths):
-  return _fit(c, paths, "teacher", c.teacher, c.pretrain, cache.open(paths.data("train")), True)
+  return _fit(c, paths, "teacher", c.teacher, c.pretrain, _open_data(c, paths, "train"), True)
 
 
 def load_teacher(c, paths: Paths):
@@ -85,35 +94,40 @@ def load_teacher(c, paths: Paths):
   if not os.path.isdir(paths.run("teacher")):
     raise FileNotFoundError(
         "no teacher: set teacher.hf_path to a Hugging Face checkpoint, or add stage 'pretrain'")
-  return stage_pretrain(c, paths)  # returns the finished teacher without training again
+  return stage_pretrain(c, paths)[0]  # the finished teacher, restored without training again
 
 
 def stage_cache(c, paths: Paths):
   model = load_teacher(c, paths)
-  tok = load_tokenizer(c, paths)
   attrs = {"teacher": c.teacher.hf_path or os.path.abspath(paths.run("teacher")),
-           "tokenizer_hash": tokenizer.tokenizer_hash(tok), "source": c.data.source}
+           "tokenizer_hash": tokenizer.tokenizer_hash(load_tokenizer(c, paths)),
+           "source": c.data.source}
   for split in ("train", "eval"):
     teacher.write_cache(model, cache.open(paths.data(split)), paths.cache(split), k=c.cache.k,
                         batch_size=c.cache.batch_size, chunk_size=c.cache.chunk_size,
                         vocab_size=model.lm_head_DxV().shape[1], attrs=attrs, layout=c.cache.layout)
 
 
-def open_cache(c, paths: Paths, split: str, vocab_size: int):
-  tok = load_tokenizer(c, paths)
-  return cache.open(paths.cache(split), vocab_size=vocab_size, k=c.cache.k,
-                    seq_len=c.data.seq_len, tokenizer_hash=tokenizer.tokenizer_hash(tok))
+def student_tokenizer_hash(c, paths: Paths) -> str:
+  """A student from a checkpoint brings its own tokenizer; it must be the cache's."""
+  own = c.student.hf_path and os.path.exists(os.path.join(c.student.hf_path, "tokenizer.json"))
+  return tokenizer.tokenizer_hash(tokenizer.load(c.student.hf_path) if own
+                                  else load_tokenizer(c, paths))
+
+
+def open_cache(c, paths: Paths, split: str):
+  """Opens a cache for a student of config `cfg`, refusing any mismatch with what it expects."""
+  tok_hash = student_tokenizer_hash(c, paths)
+  return lambda cfg: cache.open(paths.cache(split), vocab_size=cfg.output_vocab_size,
+                                k=c.cache.k, seq_len=c.data.seq_len, tokenizer_hash=tok_hash)
 
 
 def stage_train(c, paths: Paths):
-  vocab = load_tokenizer(c, paths).vocab_size
-  cfg = model_config(c.student, vocab) if not c.student.hf_path else None
-  store = open_cache(c, paths, "train", cfg.vocab_size if cfg else None)
-  return _fit(c, paths, "student", c.student, c.opt, store, False)
+  return _fit(c, paths, "student", c.student, c.opt, open_cache(c, paths, "train"), False)
 
 
 def stage_baseline(c, paths: Paths):
-  return _fit(c, paths, "baseline", c.student, c.opt, cache.open(paths.data("train")), True)
+  return _fit(c, paths, "baseline", c.student, c.opt, _open_data(c, paths, "train"), True)
 
 
 def stage_eval(c, paths: Paths):
@@ -124,9 +138,9 @@ def stage_eval(c, paths: Paths):
     models["teacher"] = load_teacher(c, paths)
   # Finished runs restore from their final checkpoint without training again.
   if "train" in c.stages:
-    models["student"] = stage_train(c, paths)
+    models["student"] = stage_train(c, paths)[0]
   if "baseline" in c.stages:
-    models["baseline"] = stage_baseline(c, paths)
+    models["baseline"] = stage_baseline(c, paths)[0]
   results = {name: evaluate.evaluate(m, eval_store, batch_size=c.eval.batch_size,
                                      max_seqs=c.eval.max_seqs, chunk_size=c.loss.chunk_size,
                                      desc=f"eval {name}") for name, m in models.items()}
@@ -134,6 +148,18 @@ def stage_eval(c, paths: Paths):
     json.dump(results, f, indent=2)
   print_report(results)
   return results
+
+
+def stage_export(c, paths: Paths):
+  """Writes the distilled student as a Hugging Face checkpoint directory: <workdir>/export."""
+  from kdjax.models import hf
+  model, cfg = stage_train(c, paths)
+  candidates = (c.student.hf_path, c.data.tokenizer, os.path.dirname(paths.tokenizer))
+  tokenizer_dir = next(d for d in candidates
+                       if d and os.path.exists(os.path.join(d, "tokenizer.json")))
+  hf.export(model, cfg, paths.run("export"), tokenizer_dir=tokenizer_dir)
+  logging.info("exported the student to %s (transformers.AutoModelForCausalLM loads it)",
+               paths.run("export"))
 
 
 def print_report(results: dict):
@@ -154,7 +180,8 @@ def print_report(results: dict):
 
 
 STAGES = {"data": stage_data, "pretrain": stage_pretrain, "cache": stage_cache,
-          "train": stage_train, "baseline": stage_baseline, "eval": stage_eval}
+          "train": stage_train, "baseline": stage_baseline, "eval": stage_eval,
+          "export": stage_export}
 
 
 def run(c: ml_collections.ConfigDict):

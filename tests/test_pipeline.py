@@ -31,7 +31,8 @@ def test_demo_smoke_runs_every_stage_and_reports(demo_run):
   workdir, out = demo_run
   for path in ("config.json", "eval.json", "data/tokenizer.json", "data/train.zarr",
                "cache/train.zarr", "cache/eval.zarr", "teacher/metrics.jsonl",
-               "student/metrics.jsonl", "baseline/metrics.jsonl"):
+               "student/metrics.jsonl", "baseline/metrics.jsonl", "export/config.json",
+               "export/model.safetensors", "export/tokenizer.json"):
     assert os.path.exists(workdir / path), path
   results = json.load(open(workdir / "eval.json"))
   assert set(results) == {"student_init", "teacher", "student", "baseline"}
