@@ -99,8 +99,7 @@ def _bwd(spec, chunk, residuals, cotangents):
                         preferred_element_type=jnp.float32).astype(dh_NxD.dtype)
     dh_CxD = jnp.where(fresh_C[:, None], dh_CxD, take(dh_NxD, start))
     dh_NxD = jax.lax.dynamic_update_slice_in_dim(dh_NxD, dh_CxD, start, axis=0)
-    dw_DxV = dw_DxV + jnp.einsum("cd,cv->dv", h_CxD.astype(dtype), dz_CxV,
-                                 preferred_element_type=dw_DxV.dtype)
+    dw_DxV = xla.accumulate_dw(dw_DxV, h_CxD.astype(dtype), dz_CxV)
     return (dh_NxD, dw_DxV), None
 
   dh_NxD, dw_DxV = _scan_chunks(

@@ -22,6 +22,9 @@ from kdjax.kernels import objectives
 
 # [C, V] float32 logits plus their gradient in bf16: 6 * C * V bytes of working set per chunk.
 WORKING_SET_BYTES = 768 * 2**20
+# dW += h_c^T dz in this many vocabulary slices, each updated in place: bounds the matmul's
+# temporary output to [D, V / DW_SLICES] where the add is not folded into the matmul.
+DW_SLICES = 1
 
 
 def default_chunk(num_rows: int, vocab: int) -> int:
@@ -82,6 +85,18 @@ def chunk_dlogits(logits_CxV, gathered, terms, ids_CxK, labels_C, w_C, spec, dty
   return dz_CxV.at[rows_CxE, ent_ids_CxE].set(ent_vals_CxE.astype(dtype))
 
 
+def accumulate_dw(dw_DxV, hidden_CxD, dz_CxV):
+  """dW += h^T dz, accumulated in lm_head's dtype (one rounding of f32 partial + carry)."""
+  vocab = dw_DxV.shape[1]
+  step = -(-vocab // DW_SLICES)
+  for v0 in range(0, vocab, step):
+    v1 = min(vocab, v0 + step)
+    update_DxS = dw_DxV[:, v0:v1] + jnp.einsum("cd,cv->dv", hidden_CxD, dz_CxV[:, v0:v1],
+                                               preferred_element_type=dw_DxV.dtype)
+    dw_DxV = jax.lax.dynamic_update_slice_in_dim(dw_DxV, update_DxS, v0, axis=1)
+  return dw_DxV
+
+
 def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
                  row_stats, dense_grad, with_grads):
   """Scan over chunks. Returns (kl_sum, ce_sum) weighted by w, plus (dh, dW) if with_grads."""
@@ -106,9 +121,7 @@ def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec
                         preferred_element_type=jnp.float32).astype(dh_NxD.dtype)
     dh_CxD = jnp.where(fresh_C[:, None], dh_CxD, take(dh_NxD, start))
     dh_NxD = jax.lax.dynamic_update_slice_in_dim(dh_NxD, dh_CxD, start, axis=0)
-    # Accumulated in lm_head's dtype: one rounding per chunk of the f32 matmul result + carry.
-    dw_DxV = dw_DxV + jnp.einsum("cd,cv->dv", h_CxD.astype(dtype), dz_CxV,
-                                 preferred_element_type=dw_DxV.dtype)
+    dw_DxV = accumulate_dw(dw_DxV, h_CxD.astype(dtype), dz_CxV)
     return (kl_sum + kl, ce_sum + ce, dh_NxD, dw_DxV), None
 
   zero = jnp.zeros((), jnp.float32)

@@ -1,0 +1,316 @@
+"""Loss-head benchmark: time and peak memory of loss + both gradients, one process per config.
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python experiments/loss_bench.py sweep --out DIR \
+        --configs A:32768:pallas,A:32768:liger,...   # or --set quick / --set long
+    python experiments/loss_bench.py check           # pallas/xla/paper vs f32 reference
+    python experiments/loss_bench.py plot DIR/results.jsonl
+
+Shapes: A = D 4096, V 131072; B = D 2880, V 201088. bf16 inputs, K = 100, sparse objective,
+about 10% of positions masked out. impl "liger" is Liger-Kernel's fused linear cross-entropy on
+hard labels (PyTorch), "floor" the three [T, D] x [D, V] matmuls (bf16 in, f32 accumulation)
+timed at min(T, 32768) tokens and scaled linearly. Median of 5 timed runs after 2 warm-ups;
+peak = the process's peak device memory (inputs and gradients included).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SHAPES = {"A": (4096, 131072), "B": (2880, 201088), "S": (64, 1003)}  # S: CPU smoke test
+K = 100
+WARMUP, REPEATS = 2, 5
+FLOOR_MAX_T = 32768
+
+QUICK = [f"{s}:{t}:{i}" for s, t, i in [
+    ("A", 32768, "floor"), ("A", 32768, "liger"), ("A", 32768, "pallas"), ("A", 32768, "xla"),
+    ("A", 32768, "paper"), ("B", 32768, "floor"), ("B", 32768, "liger"), ("B", 32768, "pallas"),
+    ("B", 32768, "xla"), ("B", 32768, "paper"), ("A", 32768, "pallas:2048"),
+    ("A", 32768, "pallas:512"), ("A", 8192, "floor"), ("A", 8192, "liger"),
+    ("A", 8192, "pallas"), ("A", 8192, "xla"), ("A", 8192, "reference"), ("A", 8192, "paper"),
+    ("A", 65536, "liger"), ("A", 65536, "pallas"), ("A", 65536, "xla"),
+    ("A", 32768, "reference")]]
+LONG = [f"{s}:{t}:{i}" for s, t, i in [
+    ("A", 262144, "pallas"), ("A", 262144, "liger"), ("A", 262144, "xla"),
+    ("A", 262144, "paper"), ("B", 262144, "pallas"), ("B", 262144, "liger"),
+    ("A", 1048576, "pallas"), ("B", 1048576, "pallas"), ("A", 1048576, "liger"),
+    ("B", 8192, "pallas"), ("B", 8192, "liger"), ("B", 65536, "pallas"), ("B", 65536, "liger"),
+    ("A", 1048576, "xla")]]
+
+
+def _median_time(fn, sync):
+  for _ in range(WARMUP):
+    sync(fn())
+  times = []
+  for _ in range(REPEATS):
+    t0 = time.perf_counter()
+    sync(fn())
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times), times
+
+
+def jax_inputs(shape, tokens):
+  import jax
+  import jax.numpy as jnp
+  dim, vocab = SHAPES[shape]
+  kh, kw, kr, ks, kl, km, kb = jax.random.split(jax.random.key(int(time.time())), 7)
+  hidden = jax.random.normal(kh, (tokens, dim), jnp.bfloat16)
+  lm_head = (jax.random.normal(kw, (dim, vocab), jnp.bfloat16) * (2.0 / dim ** 0.5)).astype(
+      jnp.bfloat16)
+  # Distinct ids per row: r + k * s mod V with k * s < V.
+  base = jax.random.randint(kr, (tokens, 1), 0, vocab)
+  stride = jax.random.randint(ks, (tokens, 1), 1, vocab // K)
+  ids = (base + jnp.arange(K)[None, :] * stride) % vocab
+  logp = -0.3 - 0.25 * jnp.cumsum(jax.random.exponential(kl, (tokens, K)), axis=-1)
+  mask = jax.random.uniform(km, (tokens,)) > 0.1
+  labels = jax.random.randint(kb, (tokens,), 0, vocab)
+  return hidden, lm_head, ids.astype(jnp.int32), logp, mask, labels
+
+
+def run_jax(shape, tokens, impl, chunk):
+  import jax
+  import jax.numpy as jnp
+  from kdjax import kernels
+  dev = jax.devices()[0]
+  if impl == "floor":
+    dim, vocab = SHAPES[shape]
+    t = min(tokens, FLOOR_MAX_T)
+    hidden, lm_head, *_ = jax_inputs(shape, t)
+    grad = jax.random.normal(jax.random.key(1), (t, vocab), jnp.bfloat16)
+    mm = jax.jit(lambda h, w, g: (
+        jnp.einsum("td,dv->tv", h, w, preferred_element_type=jnp.float32),
+        jnp.einsum("tv,dv->td", g, w, preferred_element_type=jnp.float32).astype(h.dtype),
+        jnp.einsum("td,tv->dv", h, g, preferred_element_type=jnp.float32).astype(w.dtype)))
+    med, times = _median_time(lambda: mm(hidden, lm_head, grad), jax.block_until_ready)
+    scale = tokens / t
+    return dict(time_s=med * scale, times=[x * scale for x in times], floor_tokens=t)
+  hidden, lm_head, ids, logp, mask, labels = jax_inputs(shape, tokens)
+  jax.block_until_ready(labels)
+  before = (dev.memory_stats() or {}).get("bytes_in_use")
+  step = jax.jit(jax.value_and_grad(
+      lambda h, w: kernels.topk_kl_loss(h, w, ids, logp, mask, impl=impl, chunk_size=chunk),
+      argnums=(0, 1)))
+  med, times = _median_time(lambda: step(hidden, lm_head), jax.block_until_ready)
+  stats = dev.memory_stats() or {}
+  return dict(time_s=med, times=times, peak_bytes=stats.get("peak_bytes_in_use"),
+              input_bytes=before)
+
+
+def run_liger(shape, tokens):
+  import torch
+  from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+  dim, vocab = SHAPES[shape]
+  dev = torch.device("cuda")
+  hidden = torch.randn(tokens, dim, dtype=torch.bfloat16, device=dev, requires_grad=True)
+  weight = (torch.randn(vocab, dim, dtype=torch.bfloat16, device=dev) * (2.0 / dim ** 0.5))
+  weight.requires_grad_(True)
+  labels = torch.randint(0, vocab, (tokens,), device=dev)
+  labels[torch.rand(tokens, device=dev) < 0.1] = -100
+  loss_fn = LigerFusedLinearCrossEntropyLoss()
+
+  def step():
+    hidden.grad = None
+    weight.grad = None
+    loss = loss_fn(weight, hidden, labels)
+    loss.backward()
+    return loss
+
+  med, times = _median_time(step, lambda _: torch.cuda.synchronize())
+  return dict(time_s=med, times=times, peak_bytes=torch.cuda.max_memory_allocated())
+
+
+def _apply_overrides():
+  """KDJAX_BENCH_SET="xla.DW_SLICES=8,pallas.BLOCK=2048": module constants for A/B runs."""
+  import importlib
+  for item in filter(None, os.environ.get("KDJAX_BENCH_SET", "").split(",")):
+    name, value = item.split("=")
+    module, attr = name.rsplit(".", 1)
+    setattr(importlib.import_module(f"kdjax.kernels.{module}"), attr, int(value))
+
+
+def memory(spec, out_dir):
+  """Compile one config (no run): XLA's memory analysis and the optimised HLO to out_dir."""
+  import jax
+  from kdjax import kernels
+  _apply_overrides()
+  shape, tokens, impl, *rest = spec.split(":")
+  hidden, lm_head, ids, logp, mask, labels = jax_inputs(shape, int(tokens))
+  step = jax.jit(jax.value_and_grad(
+      lambda h, w: kernels.topk_kl_loss(h, w, ids, logp, mask, impl=impl,
+                                        chunk_size=int(rest[0]) if rest else None),
+      argnums=(0, 1)))
+  compiled = step.lower(hidden, lm_head).compile()
+  ma = compiled.memory_analysis()
+  print(f"MEMORY {spec} {os.environ.get('KDJAX_BENCH_SET', '')}: temp "
+        f"{ma.temp_size_in_bytes / 2**30:.3f} GiB, args {ma.argument_size_in_bytes / 2**30:.3f}, "
+        f"out {ma.output_size_in_bytes / 2**30:.3f}, alias {ma.alias_size_in_bytes / 2**30:.3f}",
+        flush=True)
+  tag = spec.replace(":", "_") + os.environ.get("KDJAX_BENCH_SET", "").replace("=", "").replace(
+      ",", "_").replace(".", "")
+  with open(os.path.join(out_dir, f"hlo_{tag}.txt"), "w") as f:
+    f.write(compiled.as_text())
+
+
+def one(spec, chunk):
+  _apply_overrides()
+  shape, tokens, impl, *rest = spec.split(":")  # optional 4th field: chunk size
+  tokens = int(tokens)
+  chunk = int(rest[0]) if rest else chunk
+  try:
+    if impl == "liger":
+      res = run_liger(shape, tokens)
+    else:
+      res = run_jax(shape, tokens, impl, chunk)
+  except Exception as e:  # noqa: BLE001 - an OOM is a result
+    msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    res = dict(error=msg, oom="RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e))
+  res.update(shape=shape, tokens=tokens, impl=impl, chunk=chunk,
+             overrides=os.environ.get("KDJAX_BENCH_SET", ""))
+  print("RESULT " + json.dumps(res), flush=True)
+
+
+def sweep(configs, out_dir, deadline_s, chunk):
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, "results.jsonl")
+  start = time.time()
+  for spec in configs:
+    left = deadline_s - (time.time() - start)
+    if left < 30:
+      print(f"deadline: skipping {spec}", flush=True)
+      continue
+    cmd = [sys.executable, __file__, "one", spec] + (["--chunk", str(chunk)] if chunk else [])
+    try:
+      proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+      lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+      res = (json.loads(lines[-1][7:]) if lines
+             else dict(error=proc.stderr[-300:], spec=spec))
+    except subprocess.TimeoutExpired:
+      res = dict(error="timeout", spec=spec)
+    with open(path, "a") as f:
+      f.write(json.dumps(res) + "\n")
+    print(json.dumps({k: v for k, v in res.items() if k != "times"}), flush=True)
+  table(path)
+
+
+def table(path):
+  rows = [json.loads(l) for l in open(path)]
+  ok = {(r["shape"], r["tokens"], r["impl"]): r for r in rows if "time_s" in r and not r["chunk"]}
+  print(f"{'shape':5} {'T':>8} {'impl':10} {'time ms':>9} {'peak GiB':>9} {'/liger':>7} "
+        f"{'/floor':>7}")
+  for r in rows:
+    if "shape" not in r:
+      print("error", r)
+      continue
+    key = (r["shape"], r["tokens"])
+    if "time_s" not in r:
+      print(f"{r['shape']:5} {r['tokens']:>8} {r['impl']:10} {'OOM' if r.get('oom') else 'error'}"
+            f" {r.get('error', '')[:80]}")
+      continue
+    liger, floor = ok.get(key + ("liger",)), ok.get(key + ("floor",))
+    peak = r.get("peak_bytes")
+    name = r["impl"] + (f":{r['chunk']}" if r["chunk"] else "")
+    print(f"{r['shape']:5} {r['tokens']:>8} {name:10} {1e3 * r['time_s']:9.1f} "
+          f"{peak / 2**30 if peak else float('nan'):9.2f} "
+          f"{r['time_s'] / liger['time_s'] if liger else float('nan'):7.2f} "
+          f"{r['time_s'] / floor['time_s'] if floor else float('nan'):7.2f}")
+
+
+def check(shapes="AB", tokens=4000):
+  """Max relative errors of the fused impls (bf16 inputs) vs the reference on f32 inputs."""
+  import jax
+  import jax.numpy as jnp
+  from kdjax import kernels
+  first, last = shapes[0], shapes[-1]
+  cases = [(first, "sparse", 1.0, 0.0), (first, "tail", 1.0, 0.0), (first, "renorm", 1.0, 0.0),
+           (last, "sparse", 2.0, 0.5), (last, "tail", 1.0, 0.3)]
+  worst = {}
+  for shape, objective, tau, ce_weight in cases:
+    hidden, lm_head, ids, logp, mask, labels = jax_inputs(shape, tokens)
+    kw = dict(objective=objective, temperature=tau, labels=labels, ce_weight=ce_weight)
+
+    def grads(impl, h, w):
+      return jax.jit(jax.value_and_grad(lambda h, w: kernels.topk_kl_loss(
+          h, w, ids, logp, mask, impl=impl, **kw), argnums=(0, 1)))(h, w)
+
+    with jax.default_matmul_precision("highest"):
+      ref_l, (ref_h, ref_w) = grads("reference", hidden.astype(jnp.float32),
+                                    lm_head.astype(jnp.float32))
+    for impl in ("pallas", "xla") + (("paper", "reference") if objective == "sparse" else ()):
+      try:
+        val, (gh, gw) = grads(impl, hidden, lm_head)
+      except Exception as e:  # noqa: BLE001 - report and go on to the next impl
+        print(f"CHECK FAILED {impl} {shape} {objective}: {str(e)[:2000]}", flush=True)
+        continue
+      errs = dict(
+          loss=float(jnp.abs(val - ref_l) / jnp.abs(ref_l)),
+          dh_norm=float(jnp.linalg.norm(gh.astype(jnp.float32) - ref_h) / jnp.linalg.norm(ref_h)),
+          dw_norm=float(jnp.linalg.norm(gw.astype(jnp.float32) - ref_w) / jnp.linalg.norm(ref_w)),
+          dh_max=float(jnp.max(jnp.abs(gh.astype(jnp.float32) - ref_h)) / jnp.max(jnp.abs(ref_h))),
+          dw_max=float(jnp.max(jnp.abs(gw.astype(jnp.float32) - ref_w)) / jnp.max(jnp.abs(ref_w))))
+      print("CHECK " + json.dumps(dict(shape=shape, tokens=tokens, objective=objective, tau=tau,
+                                       ce_weight=ce_weight, impl=impl, **errs)), flush=True)
+      for k, v in errs.items():
+        worst[(impl, k)] = max(worst.get((impl, k), 0.0), v)
+  for impl in sorted({i for i, _ in worst}):
+    print(f"max rel err {impl:9} " + " ".join(f"{k}={worst[(impl, k)]:.2e}" for k in
+                                               ("loss", "dh_norm", "dw_norm", "dh_max", "dw_max")))
+
+
+def plot(path, png):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  rows = [json.loads(l) for l in open(path)]
+  rows = [r for r in rows if "time_s" in r]
+  fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+  for col, shape in enumerate(SHAPES):
+    for impl in sorted({r["impl"] for r in rows}):
+      pts = sorted((r["tokens"], r["time_s"], r.get("peak_bytes")) for r in rows
+                   if r["shape"] == shape and r["impl"] == impl)
+      if not pts:
+        continue
+      axes[0, col].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=impl)
+      mem = [(p[0], p[2] / 2**30) for p in pts if p[2]]
+      if mem:
+        axes[1, col].plot([m[0] for m in mem], [m[1] for m in mem], "o-", label=impl)
+    dim, vocab = SHAPES[shape]
+    axes[0, col].set(title=f"shape {shape}: D {dim}, V {vocab}", ylabel="loss+grads time (s)",
+                     xscale="log", yscale="log")
+    axes[1, col].set(xlabel="tokens", ylabel="peak memory (GiB)", xscale="log", yscale="log")
+    axes[0, col].legend()
+    axes[1, col].legend()
+  fig.tight_layout()
+  fig.savefig(png, dpi=110)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("mode", choices=["sweep", "one", "check", "plot", "table", "memory"])
+  parser.add_argument("arg", nargs="?", help="one: SHAPE:TOKENS:IMPL[:CHUNK]; check: shapes (AB); plot/table: results file")
+  parser.add_argument("--configs", default="", help="comma-separated SHAPE:TOKENS:IMPL list")
+  parser.add_argument("--set", choices=["quick", "long"], help="predefined config list")
+  parser.add_argument("--out", default="runs/loss_bench", help="sweep output directory")
+  parser.add_argument("--deadline", type=float, default=520.0, help="sweep budget, seconds")
+  parser.add_argument("--chunk", type=int, default=None, help="chunk size (default: impl's)")
+  args = parser.parse_args()
+  if args.mode == "one":
+    one(args.arg, args.chunk)
+  elif args.mode == "memory":
+    memory(args.arg, args.out)
+  elif args.mode == "check":
+    check(args.arg or "AB")
+  elif args.mode == "sweep":
+    configs = [c for c in args.configs.split(",") if c]
+    configs += {"quick": QUICK, "long": LONG, None: []}[args.set]
+    sweep(configs, args.out, args.deadline, args.chunk)
+  elif args.mode == "plot":
+    plot(args.arg, os.path.splitext(args.arg)[0] + ".png")
+  else:
+    table(args.arg)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,127 @@
+"""impl="pallas": the chunked fused loss with Pallas GPU kernels for the passes over the logits.
+
+Per chunk of C positions (the driver is kdjax.kernels.xla.chunked_loss, gradients computed in
+the forward pass): the three [C, D] x [D, V] matmuls stay with XLA (cuBLAS reaches ~600-790
+TFLOP/s on an H200 and a Pallas matmul would first have to match it); the two passes over the
+[C, V] float32 logits are these kernels:
+
+  row_stats   one read of z: online (running max, sum of exp) per row, over V in tiles, for
+              z / tau and, when CE needs it at tau != 1, for z: the full-vocabulary normalisers.
+  dense_grad  one read of z, one write of dz: a * softmax(z / tau) + b * softmax(z) in float32,
+              rounded once to the matmul dtype.
+
+The K (+1) exact entries at the top-k ids and label are then scattered in place (XLA), so the
+working set is z (4 bytes) + dz (2 bytes) per [C, V] element and nothing [N, V] exists.
+
+Backend: the Triton lowering (compiler_params=triton.CompilerParams). These are row-wise, memory
+bound passes with a masked tail tile (V need not be a multiple of the tile: 201088 = 2^7 * 1571);
+Triton's masked vector loads express that directly and reach memory bandwidth, while Mosaic GPU
+is built around warpgroup tiles and TMA copies that buy nothing here. Both kernels sit behind
+`row_stats` / `dense_grad`, so the backend can change without touching the driver. Off GPU they
+run in interpret mode, so CPU tests cover the same code.
+
+Shape letters: C chunk of positions, V vocabulary.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from kdjax.kernels import objectives, xla
+
+# Elements of a row per loop step, and warps per row program: 4096 f32 = 16 per thread with
+# 8 warps, i.e. four 16-byte loads in flight per thread.
+BLOCK = 4096
+NUM_WARPS = 8
+
+default_chunk = xla.default_chunk
+
+# A finite "minus infinity" for running maxima, so fully masked lanes give exp(-inf - m) = 0
+# instead of exp(-inf + inf) = NaN.
+_NEG = -1e30
+
+
+def _interpret() -> bool:
+  return jax.default_backend() != "gpu"
+
+
+def _row_call(kernel, out_shape, name):
+  """pallas_call over one row (refs of shape [V] and ()); vmapped, the rows become the grid."""
+  return pl.pallas_call(
+      kernel, out_shape=out_shape, grid=(), interpret=_interpret(), name=name,
+      compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=2))
+
+
+def _tiles(vocab, block):
+  return pl.cdiv(vocab, block)
+
+
+def _cols(i, vocab, block):
+  cols = i * block + jnp.arange(block)
+  return cols, cols < vocab
+
+
+def _stats_kernel(z_ref, *lse_refs, scales, block):
+  vocab = z_ref.shape[0]
+
+  def body(i, carry):
+    cols, valid = _cols(i, vocab, block)
+    z = pltriton.load(z_ref.at[cols], mask=valid, other=-jnp.inf)
+    out = []
+    for scale, (m, s) in zip(scales, carry):
+      x = z * scale
+      m_new = jnp.maximum(m, x)
+      out.append((m_new, s * jnp.exp(m - m_new) + jnp.exp(x - m_new)))
+    return tuple(out)
+
+  init = tuple((jnp.full((block,), _NEG, jnp.float32), jnp.zeros((block,), jnp.float32))
+               for _ in scales)
+  for ref, (m, s) in zip(lse_refs, jax.lax.fori_loop(0, _tiles(vocab, block), body, init)):
+    m_max = jnp.max(m)
+    ref[...] = m_max + jnp.log(jnp.sum(s * jnp.exp(m - m_max)))
+
+
+def row_stats(logits_CxV, spec: objectives.LossSpec):
+  """(logsumexp(z / tau), logsumexp(z)) per row in one read of z."""
+  rows, vocab = logits_CxV.shape
+  block = min(BLOCK, pl.next_power_of_2(vocab))
+  scales = (1.0 / spec.temperature, 1.0) if spec.two_softmax else (1.0 / spec.temperature,)
+  out_shape = tuple(jax.ShapeDtypeStruct((), jnp.float32) for _ in scales)
+  call = _row_call(functools.partial(_stats_kernel, scales=scales, block=block), out_shape,
+                   "topk_kl_row_stats")
+  lse = jax.vmap(call)(logits_CxV.astype(jnp.float32))
+  return (lse[0], lse[1]) if spec.two_softmax else (lse[0], lse[0])
+
+
+def _dense_kernel(z_ref, *refs, scales, block):
+  # refs: (coef, lse) per softmax term, then the output row.
+  dz_ref = refs[-1]
+  terms = [(refs[2 * j][...], refs[2 * j + 1][...]) for j in range(len(scales))]
+  vocab = z_ref.shape[0]
+
+  @pl.loop(0, _tiles(vocab, block))
+  def _(i):
+    cols, valid = _cols(i, vocab, block)
+    z = pltriton.load(z_ref.at[cols], mask=valid, other=0.0)
+    dz = jnp.zeros((block,), jnp.float32)
+    for scale, (coef, lse) in zip(scales, terms):
+      dz = dz + coef * jnp.exp(z * scale - lse)
+    pltriton.store(dz_ref.at[cols], dz.astype(dz_ref.dtype), mask=valid)
+
+
+def dense_grad(logits_CxV, lse_s_C, lse_z_C, a_C, b_C, spec, dtype):
+  """a * softmax(z / tau) + b * softmax(z) in float32, rounded once to dtype."""
+  rows, vocab = logits_CxV.shape
+  block = min(BLOCK, pl.next_power_of_2(vocab))
+  if spec.two_softmax and spec.ce_weight != 0.0:
+    scales, args = (1.0 / spec.temperature, 1.0), (a_C, lse_s_C, b_C, lse_z_C)
+  else:  # one softmax: at tau = 1 both terms share it, and without CE b is 0
+    scales, args = (1.0 / spec.temperature,), (a_C + b_C, lse_s_C)
+  call = _row_call(functools.partial(_dense_kernel, scales=scales, block=block),
+                   jax.ShapeDtypeStruct((vocab,), dtype), "topk_kl_dense_grad")
+  return jax.vmap(call)(logits_CxV, *(x.astype(jnp.float32) for x in args))
+
+
+topk_kl_loss = xla.build_fused_loss(row_stats, dense_grad)
