@@ -198,8 +198,11 @@ def attention(q_BxTxHxE: jax.Array, k_BxSxGxE: jax.Array, v_BxSxGxE: jax.Array,
   2.7x faster with cudnn than with einsum.
   """
   if impl == "auto":
-    fits = (q_BxTxHxE.dtype in (jnp.bfloat16, jnp.float16) and q_BxTxHxE.shape[-1] <= 128
-            and q_BxTxHxE.shape[-1] % 8 == 0)
+    # cuDNN's limits: half precision, head dim a multiple of 8 (<= 128 everywhere), and an
+    # even length when a mask (bias) is differentiated through.
+    e, t = q_BxTxHxE.shape[-1], q_BxTxHxE.shape[1]
+    fits = (q_BxTxHxE.dtype in (jnp.bfloat16, jnp.float16) and e <= 128 and e % 8 == 0
+            and t % 2 == 0)
     impl = "cudnn" if fits and jax.default_backend() == "gpu" else "einsum"
   if impl == "cudnn":
     return attention_fused(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT)
