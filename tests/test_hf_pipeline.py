@@ -1,0 +1,66 @@
+"""A user's run end to end: a Hugging Face teacher, jsonl data, an HF-initialised student, export.
+
+The tiny random checkpoints come from transformers (side venv, see test_hf.py); the exported
+student is loaded back by transformers, whose logits must match kdjax's trained student.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kdjax.models import hf
+from test_hf import ARCHS, assert_parity, packed_inputs, run_side, side_python  # noqa: F401
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_jsonl(path, rng, docs=60, tokens=280):
+  with open(path, "w") as f:
+    for _ in range(docs):
+      words = rng.integers(1, tokens - 1, rng.integers(5, 40))
+      f.write(json.dumps({"text": " ".join(f"w{w}" for w in words)}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def user_run(side_python, tmp_path_factory):  # noqa: F811
+  work = tmp_path_factory.mktemp("user")
+  jobs = {"make": [dict(ARCHS[n], dir=str(work / n), seed=i)
+                   for i, n in enumerate(("qwen3", "qwen3_student"))]}
+  run_side(side_python, jobs, work)
+  write_jsonl(work / "train.jsonl", np.random.default_rng())
+  overrides = [
+      f"--config.workdir={work}/run", f"--config.data.source={work}/train.jsonl",
+      f"--config.data.tokenizer={work}/qwen3", f"--config.teacher.hf_path={work}/qwen3",
+      f"--config.student.hf_path={work}/qwen3_student", "--config.data.seq_len=32",
+      "--config.data.eval_every=4", "--config.cache.k=16", "--config.cache.chunk_size=16",
+      "--config.loss.chunk_size=24", "--config.opt.steps=4", "--config.opt.batch_size=2",
+      "--config.opt.warmup_steps=1", "--config.opt.log_every=1", "--config.opt.ckpt_every=2",
+      "--config.stages=('data', 'cache', 'train', 'eval', 'export')"]
+  for g in ("teacher", "student"):
+    overrides += [f"--config.{g}.dtype=float32", f"--config.{g}.param_dtype=float32"]
+  proc = subprocess.run([sys.executable, "-m", "kdjax.main", f"--config={ROOT}/configs/demo.py",
+                         *overrides], capture_output=True, text=True, cwd=ROOT,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return work
+
+
+def test_exported_student_loads_in_transformers(side_python, user_run):  # noqa: F811
+  work = user_run
+  export = work / "run" / "export"
+  assert (export / "tokenizer.json").exists()
+  inputs = packed_inputs(vocab=280)
+  np.savez(work / "inputs.npz", **inputs)
+  run_side(side_python, {"logits": [dict(dir=str(export), inputs=str(work / "inputs.npz"),
+                                         out=str(work / "export.npy"))]}, work)
+  model, cfg = hf.load(str(export))
+  assert cfg.real_vocab_size == 280  # the padded rows stayed out of the student's softmax
+  assert_parity(model, inputs, np.load(work / "export.npy"))
+
+
+def test_student_moved_towards_teacher(user_run):
+  results = json.load(open(user_run / "run" / "eval.json"))
+  assert results["student"]["kl"] < results["student_init"]["kl"]
