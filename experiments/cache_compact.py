@@ -7,8 +7,9 @@ top-k arrays in each candidate encoding, writes them as sharded zarr v3 arrays e
 does (one shard per region, zstd through blosc, crc32c) and reports, per encoding:
   - bytes per position on disk of topk_ids + topk_logprobs,
   - relative error of the loss and of its gradients (student hidden states and lm_head) against
-    the float32 cache, for each objective of kdjax.kernels.topk_kl_loss, with a randomly
-    initialised student (hidden ~ N(0, 1), lm_head ~ N(0, 1/D)) of width --dim.
+    the float32 cache, for each objective of kdjax.kernels.topk_kl_loss, for two students: a
+    random one (hidden ~ N(0, 1), lm_head ~ N(0, 1/D)) and one whose logits are the teacher's
+    plus noise (see `student`).
 Errors are |L - L32| / |L32| and ||g - g32|| / ||g32|| (Frobenius). The target is <= 250 bytes per
 position at k = 100 with every error <= 1e-3. Without --cache a synthetic Zipf-like teacher is
 used (numbers then only show the mechanics). Prints a markdown table; writes nothing outside --out.
@@ -30,13 +31,16 @@ OBJECTIVES = ("sparse", "tail", "renorm")
 
 
 def candidates(vocab_size):
-  """name -> (ids dtype, log-prob dtype, log-prob scale or None, blosc shuffle)."""
+  """name -> (ids dtype, log-prob dtype, log-prob scale or None, blosc shuffle(s) of ids, log-probs).
+
+  Unless named, ids are bit-shuffled and log-probs byte-shuffled, as in the compact layout.
+  """
   ids = "uint16" if vocab_size <= 2**16 else "int32"
   out = {"float32 (reference)": ("int32", "float32", None, "shuffle"),
-         "float16 log-probs": (ids, "float16", None, "shuffle")}
-  for bits in (8, 10, 12):
-    for shuffle in ("shuffle", "bitshuffle"):
-      out[f"uint16 gaps 2^-{bits}, {shuffle}"] = (ids, "uint16", 2.0**-bits, shuffle)
+         "float16 log-probs": (ids, "float16", None, ("bitshuffle", "shuffle")),
+         "uint16 gaps 2^-10, byte shuffle for ids too": (ids, "uint16", 2.0**-10, "shuffle")}
+  for bits in (8, 10, 11, 12):
+    out[f"uint16 gaps 2^-{bits}"] = (ids, "uint16", 2.0**-bits, ("bitshuffle", "shuffle"))
   return out
 
 
@@ -72,6 +76,25 @@ def rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def student(kind, ids, logprobs, vocab, dim, noise=0.5, seed=0):
+  """(hidden, lm_head, description) of a student at the start or near the end of distillation."""
+  rng = np.random.default_rng(seed)
+  if kind == "random":
+    hidden = rng.normal(size=ids.shape[:-1] + (dim,))
+    lm_head = rng.normal(size=(dim, vocab)) / np.sqrt(dim)
+    return (jnp.asarray(hidden, jnp.float32), jnp.asarray(lm_head, jnp.float32),
+            f"random init, D={dim} (start of training)")
+  # "near": logits = the teacher's log-probs on its top-k, its mean tail log-prob elsewhere, plus
+  # N(0, noise) -- a student close to the teacher, whose gradients are small, so encoding errors
+  # weigh relatively more. D = V and lm_head = I, so the hidden states are the logits.
+  tail = np.log(np.maximum(1 - np.exp(logprobs).sum(-1, keepdims=True), 1e-6) / (vocab - ids.shape[-1]))
+  logits = np.broadcast_to(tail, ids.shape[:-1] + (vocab,)).copy()
+  np.put_along_axis(logits, ids, logprobs, axis=-1)
+  logits += rng.normal(0, noise, logits.shape)
+  return (jnp.asarray(logits, jnp.float32), jnp.eye(vocab, dtype=jnp.float32),
+          f"near the teacher: its log-probs + N(0, {noise}) noise as logits (late in training)")
+
+
 def synthetic(rows, seq_len, k, vocab, seed=0):
   rng = np.random.default_rng(seed)
   bias = -1.1 * np.log(np.arange(1, vocab + 1))  # Zipf-like unigram prior
@@ -87,7 +110,9 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--cache", default="", help="float32 teacher cache; empty: synthetic teacher")
   parser.add_argument("--rows", type=int, default=256, help="rows of the cache to use")
-  parser.add_argument("--dim", type=int, default=64, help="student width D for the accuracy check")
+  parser.add_argument("--dim", type=int, default=64, help="random student's width D")
+  parser.add_argument("--students", default="random,near",
+                      help="comma-separated: random (start of training), near (late; D = V)")
   parser.add_argument("--out", default="", help="scratch directory (default: a temporary one)")
   args = parser.parse_args()
 
@@ -104,34 +129,50 @@ def main():
   positions = num_rows * seq_len
   region_rows = max(1, min(num_rows, 2**18 // seq_len))
 
-  rng = np.random.default_rng(0)
-  hidden = jnp.asarray(rng.normal(size=(num_rows, seq_len, args.dim)), jnp.float32)
-  lm_head = jnp.asarray(rng.normal(size=(args.dim, vocab)) / np.sqrt(args.dim), jnp.float32)
-  mask = jnp.asarray(rows["loss_mask"])
-  reference = {obj: loss_and_grads(hidden, lm_head, jnp.asarray(ids), jnp.asarray(logprobs), mask,
-                                    obj) for obj in OBJECTIVES}
-
   out = args.out or tempfile.mkdtemp(prefix="cache_compact_")
-  print(f"teacher: {source}; {num_rows} rows x {seq_len} positions, k={k}, vocab {vocab}; "
-        f"student D={args.dim} random init\n")
-  print("| encoding | ids B/pos | log-probs B/pos | top-k B/pos | max rel. err loss | "
-        "max rel. err grad hidden | max rel. err grad lm_head |")
-  print("|---|---|---|---|---|---|---|")
+  print(f"teacher: {source}; {num_rows} rows x {seq_len} positions, k={k}, vocab {vocab}")
+  mask = jnp.asarray(rows["loss_mask"])
+  encoded = {}
   for name, (ids_dtype, lp_dtype, scale, shuffle) in candidates(vocab).items():
     stored_ids, stored_lp = encode(ids, logprobs, ids_dtype, lp_dtype, scale)
-    ids_bytes = disk_bytes(os.path.join(out, "ids"), stored_ids, region_rows, shuffle)
-    lp_bytes = disk_bytes(os.path.join(out, "lp"), stored_lp, region_rows, shuffle)
-    dec_ids, dec_lp = decode(stored_ids, stored_lp, lp_dtype, scale)
-    errors = np.zeros(3)
-    for obj in OBJECTIVES:
-      (loss, (g_hidden, g_head)) = loss_and_grads(hidden, lm_head, jnp.asarray(dec_ids),
-                                                   jnp.asarray(dec_lp), mask, obj)
-      (loss32, (g_hidden32, g_head32)) = reference[obj]
-      errors = np.maximum(errors, [abs(float(loss) - float(loss32)) / abs(float(loss32)),
-                                   rel(g_hidden, g_hidden32), rel(g_head, g_head32)])
-    print(f"| {name} | {ids_bytes / positions:.1f} | {lp_bytes / positions:.1f} | "
-          f"{(ids_bytes + lp_bytes) / positions:.1f} | {errors[0]:.1e} | {errors[1]:.1e} | "
-          f"{errors[2]:.1e} |", flush=True)
+    ids_shuffle, lp_shuffle = shuffle if isinstance(shuffle, tuple) else (shuffle, shuffle)
+    ids_bytes = disk_bytes(os.path.join(out, "ids"), stored_ids, region_rows, ids_shuffle)
+    lp_bytes = disk_bytes(os.path.join(out, "lp"), stored_lp, region_rows, lp_shuffle)
+    encoded[name] = (ids_bytes / positions, lp_bytes / positions,
+                     decode(stored_ids, stored_lp, lp_dtype, scale))
+
+  for kind in args.students.split(","):
+    hidden, lm_head, about = student(kind, ids, logprobs, vocab, args.dim)
+    reference = {obj: loss_and_grads(hidden, lm_head, jnp.asarray(ids), jnp.asarray(logprobs),
+                                      mask, obj) for obj in OBJECTIVES}
+    print(f"\nstudent: {about}; errors are the max over objectives {OBJECTIVES}\n")
+    print("| encoding | ids B/pos | log-probs B/pos | top-k B/pos | rel. err loss | "
+          "rel. err grad hidden | rel. err grad lm_head |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (ids_bpp, lp_bpp, (dec_ids, dec_lp)) in encoded.items():
+      errors = np.zeros(3)
+      for obj in OBJECTIVES:
+        loss, (g_hidden, g_head) = loss_and_grads(hidden, lm_head, jnp.asarray(dec_ids),
+                                                  jnp.asarray(dec_lp), mask, obj)
+        loss32, (g_hidden32, g_head32) = reference[obj]
+        errors = np.maximum(errors, [abs(float(loss) - float(loss32)) / abs(float(loss32)),
+                                     rel(g_hidden, g_hidden32), rel(g_head, g_head32)])
+      print(f"| {name} | {ids_bpp:.1f} | {lp_bpp:.1f} | {ids_bpp + lp_bpp:.1f} | {errors[0]:.1e} | "
+            f"{errors[1]:.1e} | {errors[2]:.1e} |", flush=True)
+
+  # The stores themselves (all arrays, manifest included), as kdjax writes them.
+  if "tokens" in rows:
+    print()
+    for layout_name in ("float32", "compact"):
+      path = os.path.join(out, f"store_{layout_name}")
+      shutil.rmtree(path, ignore_errors=True)
+      store = cache.create(path, num_seqs=num_rows, seq_len=seq_len, k=k, vocab_size=vocab,
+                           attrs={}, layout=layout_name, region_rows=region_rows)
+      store.write(0, rows)
+      total = sum(os.path.getsize(os.path.join(root, name))
+                  for root, _, names in os.walk(path) for name in names)
+      print(f"kdjax {layout_name} store of these rows: {total / positions:.1f} bytes/position "
+            f"on disk, all arrays and metadata")
   if not args.out:
     shutil.rmtree(out)
 

@@ -59,6 +59,7 @@ def main():
   parser.add_argument("--layout", default="compact", choices=("compact", "float32"))
   parser.add_argument("--batch-size", type=int, default=8, help="rows per batch")
   parser.add_argument("--batches", type=int, default=24, help="batches timed")
+  parser.add_argument("--workers", type=int, default=None, help="Loader threads (default: its own)")
   parser.add_argument("--cold", action="store_true", help="evict the files from the page cache first")
   args = parser.parse_args()
 
@@ -72,7 +73,7 @@ def main():
 
   if args.cold:
     evict(path)
-  loader = cache.Loader(store, args.batch_size, seed=0)
+  loader = cache.Loader(store, args.batch_size, seed=0, workers=args.workers)
   next(loader)
   start = time.perf_counter()
   for _ in range(args.batches):
@@ -80,7 +81,7 @@ def main():
   seconds = time.perf_counter() - start
   loader.close()
   assert batch["topk_logprobs"].shape == (args.batch_size, store.seq_len, store.k)
-  print(f"Loader (shuffled, prefetch): {tokens / seconds:,.0f} tokens/s "
+  print(f"Loader (shuffled, prefetch, {loader.workers} threads): {tokens / seconds:,.0f} tokens/s "
         f"({seconds / args.batches * 1e3:.1f} ms per batch of {args.batch_size} x {store.seq_len})")
 
   if args.cold:

@@ -75,3 +75,15 @@ def test_info_prints_shape_completeness_and_bytes(tmp_path, capsys):
   out = capsys.readouterr().out
   assert "1 of 3 regions" in out and "B/position" in out and "teacher_hash" in out
   assert cli.main(["info", str(tmp_path / "nothing")]) == 2
+
+
+def test_loader_raises_on_a_damaged_chunk_and_retries_the_same_batch(store_and_rows):
+  store, _ = store_and_rows
+  flip_byte(store.shard_path("topk_logprobs", 0), 7)
+  loader = cache.Loader(store, batch_size=10, seed=0)
+  with pytest.raises(cache.CacheError, match="corrupt"):
+    next(loader)
+  assert (loader.state()["epoch"], loader.state()["step"]) == (0, 0)
+  with pytest.raises(cache.CacheError, match="corrupt"):
+    next(loader)  # the same batch again, not the next one
+  loader.close()

@@ -39,6 +39,14 @@ def array_dtypes(k, vocab_size, layout):
   return dtypes
 
 
+def array_metadata(name, shape, dtype, region_rows):
+  """zarr v3 metadata of one array of a store."""
+  # Top-k ids of a real teacher are concentrated on frequent tokens, so their high bits are
+  # mostly zero: bit shuffle measured ~5% smaller than byte shuffle (experiments/cache_compact.py).
+  return zarr_metadata(shape, dtype, region_rows,
+                       shuffle="bitshuffle" if name == "topk_ids" else None)
+
+
 def zarr_metadata(shape, dtype, region_rows, *, shuffle=None, clevel=5):
   """zarr v3 metadata: one shard per region of rows, one inner chunk per row.
 

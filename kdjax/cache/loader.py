@@ -38,7 +38,7 @@ class Loader:
     self.shuffle = shuffle
     self.batches_per_epoch = store.num_seqs // batch_size
     self._prefetch = prefetch
-    self._workers = workers or min(4, os.cpu_count() or 1)
+    self.workers = workers or min(4, os.cpu_count() or 1)
     self._epoch, self._step = 0, 0  # of the next batch handed out
     self._pool = None
     self._pending = collections.deque()  # futures of the batches after (epoch, step), in order
@@ -61,7 +61,7 @@ class Loader:
 
   def _fill(self):
     if self._pool is None:
-      self._pool = concurrent.futures.ThreadPoolExecutor(self._workers,
+      self._pool = concurrent.futures.ThreadPoolExecutor(self.workers,
                                                          thread_name_prefix="cache-loader")
       _RUNNING.add(self)
     while len(self._pending) < self._prefetch:

@@ -71,15 +71,26 @@ class Store:
     self.dtypes = attrs["dtypes"]
     self._scale = attrs.get("logprob_scale", layout_lib.LOGPROB_SCALE)
     self.num_regions = -(-self.num_seqs // self.region_rows)
-    futures = {name: ts.open(self._ts_spec(name), create=create, open=True) for name in self.dtypes}
+    futures = {name: ts.open(self._ts_spec(name, create), create=create, open=True)
+               for name in self.dtypes}
     self._arrays = {name: future.result() for name, future in futures.items()}
+    for name, arr in self._arrays.items():
+      if tuple(arr.shape) != self.shape(name) or arr.dtype.name != self.dtypes[name]:
+        raise CacheError(f"{self.path}/{name} is {arr.dtype.name} {tuple(arr.shape)} but the store's "
+                         f"attributes say {self.dtypes[name]} {self.shape(name)}: the store is "
+                         f"damaged; delete it and rebuild.")
 
   def shape(self, name):
     return (self.num_seqs, self.seq_len) + ((self.k,) if name in layout_lib.TOPK_ARRAYS else ())
 
-  def _ts_spec(self, name):
-    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(self.path, name)},
-            "metadata": layout_lib.zarr_metadata(self.shape(name), self.dtypes[name], self.region_rows)}
+  def _ts_spec(self, name, create):
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(self.path, name)}}
+    # Existing arrays are opened with the metadata on disk, so stores stay readable (and
+    # resumable) if the defaults of layout.py change.
+    if create and not os.path.exists(os.path.join(self.path, name, "zarr.json")):
+      spec["metadata"] = layout_lib.array_metadata(name, self.shape(name), self.dtypes[name],
+                                                   self.region_rows)
+    return spec
 
   def region_bounds(self, region):
     return region * self.region_rows, min((region + 1) * self.region_rows, self.num_seqs)
