@@ -29,6 +29,7 @@ def model_group(**overrides) -> ml_collections.ConfigDict:
   g.dtype = "float32"  # activation / matmul dtype
   g.param_dtype = "float32"  # parameter storage dtype
   g.remat = True  # recompute each block in backward (activation memory ~ one block)
+  g.attention_impl = "auto"  # "auto" (cuDNN flash attention on GPU in bf16, else einsum), "einsum", "cudnn"
   g.update(overrides)
   return g
 

@@ -64,3 +64,38 @@ def test_long_context_smoke_config_runs(tmp_path):
   run_main("32k.py:smoke", tmp_path / "w")
   results = json.load(open(tmp_path / "w" / "eval.json"))
   assert set(results) == {"student_init", "teacher", "student"}
+
+
+def test_training_killed_by_sigkill_resumes_to_the_same_result(demo_run, tmp_path):
+  """kill -9 mid-training, run the same command again: identical metrics and evaluation."""
+  import shutil
+  import signal
+  import time
+  done, _ = demo_run
+  args = ["--config.opt.steps=24", "--config.opt.ckpt_every=4", "--config.stages=('train', 'eval')"]
+  runs = {}
+  for name in ("straight", "killed"):
+    workdir = tmp_path / name
+    for part in ("data", "cache", "teacher"):  # done: only training and evaluation run
+      shutil.copytree(done / part, workdir / part)
+    runs[name] = workdir
+  run_main("demo.py:smoke", runs["straight"], *args)
+
+  cmd = [sys.executable, "-m", "kdjax.main", f"--config={ROOT}/configs/demo.py:smoke",
+         f"--config.workdir={runs['killed']}", *args]
+  proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  ckpt = runs["killed"] / "student" / "ckpt"
+  deadline = time.time() + 300
+  while not (ckpt / "8").exists() and proc.poll() is None and time.time() < deadline:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert not (ckpt / "24").exists(), "the run finished before it could be killed"
+  run_main("demo.py:smoke", runs["killed"], *args)
+
+  straight = json.load(open(runs["straight"] / "eval.json"))["student"]
+  resumed = json.load(open(runs["killed"] / "eval.json"))["student"]
+  assert straight == resumed
+  last = lambda w: json.loads(open(w / "student/metrics.jsonl").read().splitlines()[-1])
+  assert last(runs["straight"])["loss"] == last(runs["killed"])["loss"]

@@ -76,7 +76,8 @@ class ModelConfig:
         n_heads=group.n_heads, n_kv_heads=group.n_kv_heads, head_dim=group.head_dim,
         d_ff=group.d_ff, rope_theta=group.rope_theta, rope_scaling=rope_scaling,
         norm_eps=group.norm_eps, tie_embeddings=group.tie_embeddings, qk_norm=group.qk_norm,
-        dtype=group.dtype, param_dtype=group.param_dtype, remat=group.remat)
+        dtype=group.dtype, param_dtype=group.param_dtype, remat=group.remat,
+        attention_impl=group.attention_impl)
     cfg.validate()
     return cfg
 
