@@ -9,7 +9,9 @@ Shapes: A = D 4096, V 131072; B = D 2880, V 201088. bf16 inputs, K = 100, sparse
 about 10% of positions masked out. impl "liger" is Liger-Kernel's fused linear cross-entropy on
 hard labels (PyTorch), "floor" the three [T, D] x [D, V] matmuls (bf16 in, f32 accumulation)
 timed at min(T, 32768) tokens and scaled linearly. Median of 5 timed runs after 2 warm-ups;
-peak = the process's peak device memory (inputs and gradients included).
+peak = the process's peak device memory (inputs and gradients included; for JAX it also holds
+XLA's one-time gemm-autotuning buffers from compilation), prog = XLA's memory analysis of the
+compiled step (arguments + outputs + peak temporaries), what a step needs once compiled.
 """
 import argparse
 import json
@@ -86,16 +88,23 @@ def run_jax(shape, tokens, impl, chunk):
     med, times = _median_time(lambda: mm(hidden, lm_head, grad), jax.block_until_ready)
     scale = tokens / t
     return dict(time_s=med * scale, times=[x * scale for x in times], floor_tokens=t)
-  hidden, lm_head, ids, logp, mask, labels = jax_inputs(shape, tokens)
-  jax.block_until_ready(labels)
-  before = (dev.memory_stats() or {}).get("bytes_in_use")
+  inputs = jax_inputs(shape, tokens)[:5]
+  jax.block_until_ready(inputs)
+  stats = dev.memory_stats() or {}
+  before, gen_peak = stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
   step = jax.jit(jax.value_and_grad(
-      lambda h, w: kernels.topk_kl_loss(h, w, ids, logp, mask, impl=impl, chunk_size=chunk),
+      lambda h, w, ids, logp, mask: kernels.topk_kl_loss(h, w, ids, logp, mask, impl=impl,
+                                                          chunk_size=chunk),
       argnums=(0, 1)))
-  med, times = _median_time(lambda: step(hidden, lm_head), jax.block_until_ready)
+  # XLA's own account of the program: arguments + outputs + peak temporaries. The process
+  # peak below also holds one-time compile-time allocations (gemm autotuning buffers).
+  ma = step.lower(*inputs).compile().memory_analysis()
+  program = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+  med, times = _median_time(lambda: step(*inputs), jax.block_until_ready)
   stats = dev.memory_stats() or {}
   return dict(time_s=med, times=times, peak_bytes=stats.get("peak_bytes_in_use"),
-              input_bytes=before)
+              program_bytes=program, temp_bytes=ma.temp_size_in_bytes, input_bytes=before,
+              input_generation_peak=gen_peak)
 
 
 def run_liger(shape, tokens):
@@ -122,7 +131,7 @@ def run_liger(shape, tokens):
 
 
 def _apply_overrides():
-  """KDJAX_BENCH_SET="xla.DW_SLICES=8,pallas.BLOCK=2048": module constants for A/B runs."""
+  """KDJAX_BENCH_SET="pallas.BLOCK=2048,xla.MAX_CHUNK=4096": module constants for A/B runs."""
   import importlib
   for item in filter(None, os.environ.get("KDJAX_BENCH_SET", "").split(",")):
     name, value = item.split("=")
@@ -197,8 +206,8 @@ def sweep(configs, out_dir, deadline_s, chunk):
 def table(path):
   rows = [json.loads(l) for l in open(path)]
   ok = {(r["shape"], r["tokens"], r["impl"]): r for r in rows if "time_s" in r and not r["chunk"]}
-  print(f"{'shape':5} {'T':>8} {'impl':10} {'time ms':>9} {'peak GiB':>9} {'/liger':>7} "
-        f"{'/floor':>7}")
+  print(f"{'shape':5} {'T':>8} {'impl':10} {'time ms':>9} {'peak GiB':>9} {'prog GiB':>9} "
+        f"{'/liger':>7} {'/floor':>7}")
   for r in rows:
     if "shape" not in r:
       print("error", r)
@@ -209,10 +218,11 @@ def table(path):
             f" {r.get('error', '')[:80]}")
       continue
     liger, floor = ok.get(key + ("liger",)), ok.get(key + ("floor",))
-    peak = r.get("peak_bytes")
+    peak, prog = r.get("peak_bytes"), r.get("program_bytes")
     name = r["impl"] + (f":{r['chunk']}" if r["chunk"] else "")
     print(f"{r['shape']:5} {r['tokens']:>8} {name:10} {1e3 * r['time_s']:9.1f} "
           f"{peak / 2**30 if peak else float('nan'):9.2f} "
+          f"{prog / 2**30 if prog else float('nan'):9.2f} "
           f"{r['time_s'] / liger['time_s'] if liger else float('nan'):7.2f} "
           f"{r['time_s'] / floor['time_s'] if floor else float('nan'):7.2f}")
 
@@ -259,30 +269,42 @@ def check(shapes="AB", tokens=4000):
 
 
 def plot(path, png):
+  """Time and peak memory against tokens, one column per shape, one line per impl."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   rows = [json.loads(l) for l in open(path)]
-  rows = [r for r in rows if "time_s" in r]
-  fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-  for col, shape in enumerate(SHAPES):
-    for impl in sorted({r["impl"] for r in rows}):
-      pts = sorted((r["tokens"], r["time_s"], r.get("peak_bytes")) for r in rows
-                   if r["shape"] == shape and r["impl"] == impl)
+  rows = [r for r in rows if "time_s" in r and not r.get("chunk") and not r.get("overrides")]
+  rows = list({(r["shape"], r["tokens"], r["impl"]): r for r in rows}.values())  # last run wins
+  shapes = [s for s in SHAPES if any(r["shape"] == s for r in rows)]
+  impls = sorted({r["impl"] for r in rows})
+  colors = {impl: f"C{i}" for i, impl in enumerate(impls)}
+  fig, axes = plt.subplots(2, len(shapes), figsize=(5.5 * len(shapes), 8), squeeze=False)
+  for col, shape in enumerate(shapes):
+    for impl in impls:
+      pts = sorted((r["tokens"], r["time_s"], r.get("program_bytes"), r.get("peak_bytes"))
+                   for r in rows if r["shape"] == shape and r["impl"] == impl)
       if not pts:
         continue
-      axes[0, col].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=impl)
-      mem = [(p[0], p[2] / 2**30) for p in pts if p[2]]
+      axes[0, col].plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[impl],
+                        label=impl)
+      mem = [(p[0], (p[2] or p[3]) / 2**30, bool(p[2])) for p in pts if p[2] or p[3]]
       if mem:
-        axes[1, col].plot([m[0] for m in mem], [m[1] for m in mem], "o-", label=impl)
+        axes[1, col].plot([m[0] for m in mem], [m[1] for m in mem], "-", color=colors[impl],
+                          label=impl)
+        for t, gib, program in mem:  # filled: XLA program memory; hollow: process peak
+          axes[1, col].plot([t], [gib], "o", color=colors[impl],
+                            markerfacecolor=colors[impl] if program else "none")
     dim, vocab = SHAPES[shape]
-    axes[0, col].set(title=f"shape {shape}: D {dim}, V {vocab}", ylabel="loss+grads time (s)",
+    axes[0, col].set(title=f"shape {shape}: D {dim}, V {vocab} (H200, bf16, K 100)",
+                     ylabel="loss + both gradients, median s", xscale="log", yscale="log")
+    axes[1, col].set(xlabel="tokens",
+                     ylabel="GiB (filled: XLA program, hollow: process peak)",
                      xscale="log", yscale="log")
-    axes[1, col].set(xlabel="tokens", ylabel="peak memory (GiB)", xscale="log", yscale="log")
     axes[0, col].legend()
     axes[1, col].legend()
   fig.tight_layout()
-  fig.savefig(png, dpi=110)
+  fig.savefig(png, dpi=100)
 
 
 def main():

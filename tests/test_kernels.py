@@ -177,13 +177,12 @@ def test_without_labels_and_default_chunk(impl):
   assert_close("dlm_head", dw, want["dw"], TOL[jnp.float32]["grad"])
 
 
-def test_dw_in_vocabulary_slices(monkeypatch):
-  monkeypatch.setattr(xla, "DW_SLICES", 3)
-  inputs = make_inputs((2, 15), 16, 301, 9, jnp.float32)
-  want = numpy_loss(inputs, "sparse", 1.0, 0.3)
-  _, _, (dh, dw) = run_loss(inputs, 1.0, ce_weight=0.3, impl="xla", chunk_size=8)
-  assert_close("dhidden", dh, want["dh"], TOL[jnp.float32]["grad"])
-  assert_close("dlm_head", dw, want["dw"], TOL[jnp.float32]["grad"])
+def test_default_chunk_grows_with_memory():
+  small = xla.default_chunk(32768, 4096, 131072, 2)
+  large = xla.default_chunk(262144, 4096, 131072, 2)
+  assert small % 128 == 0 and large % 128 == 0 and 6 * small * 131072 <= 2**30
+  assert small < large <= xla.MAX_CHUNK
+  assert xla.default_chunk(5, 16, 300, 4) == 5
 
 
 @pytest.mark.parametrize("impl", IMPLS)

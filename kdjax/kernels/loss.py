@@ -128,7 +128,8 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
                                           labels_N, spec)
   else:
     fused, default_chunk = _fused_impl(impl)
-    chunk = min(chunk_size or default_chunk(num_rows, vocab), num_rows)
+    itemsize = jnp.dtype(jnp.promote_types(hidden.dtype, lm_head.dtype)).itemsize
+    chunk = min(chunk_size or default_chunk(num_rows, dim, vocab, itemsize), num_rows)
     w_N = mask_N.astype(jnp.float32) / jnp.maximum(jnp.sum(mask_N), 1).astype(jnp.float32)
     loss, kl, ce = fused(hidden_NxD, lm_head, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk)
   if not return_aux:
@@ -151,7 +152,8 @@ def position_stats(hidden, lm_head, topk_ids, labels=None, *, chunk_size=None):
   ids_NxK = topk_ids.reshape(num_rows, -1).astype(jnp.int32)
   labels_N = (jnp.zeros((num_rows,), jnp.int32) if labels is None
               else labels.reshape(num_rows).astype(jnp.int32))
-  chunk = min(chunk_size or xla.default_chunk(num_rows, vocab), max(num_rows, 1))
+  itemsize = jnp.dtype(jnp.promote_types(hidden.dtype, lm_head.dtype)).itemsize
+  chunk = min(chunk_size or xla.default_chunk(num_rows, dim, vocab, itemsize), max(num_rows, 1))
   if num_rows == 0:
     out = reference.position_stats(hidden_NxD, lm_head, ids_NxK, labels_N)
   else:

@@ -16,8 +16,8 @@ from kdjax.kernels import objectives, xla
 CHUNK = 4096
 
 
-def default_chunk(num_rows: int, vocab: int) -> int:
-  del vocab
+def default_chunk(num_rows: int, dim: int, vocab: int, itemsize: int) -> int:
+  del dim, vocab, itemsize
   return min(CHUNK, num_rows)
 
 

@@ -20,19 +20,21 @@ import jax.numpy as jnp
 
 from kdjax.kernels import objectives
 
-# [C, V] float32 logits plus their gradient in bf16: 6 * C * V bytes of working set per chunk.
-WORKING_SET_BYTES = 768 * 2**20
-# dW += h_c^T dz in this many vocabulary slices, each updated in place: bounds the matmul's
-# temporary output to [D, V / DW_SLICES] where the add is not folded into the matmul.
-DW_SLICES = 1
+# Per chunk the working set is the [C, V] float32 logits plus their bf16 gradient, 6 * C * V
+# bytes. It gets at least MIN_WORKING_SET_BYTES, or a fifth of the memory the loss cannot avoid
+# (hidden, lm_head and their gradients) when that is more: longer sequences get larger chunks,
+# which cost proportionally less dW read-modify-write traffic (dW += h_c^T dz per chunk).
+MIN_WORKING_SET_BYTES = 768 * 2**20
+WORKING_SET_SHARE = 0.2
+MAX_CHUNK = 8192
 
 
-def default_chunk(num_rows: int, vocab: int) -> int:
-  """Largest power of two C with 6 * C * V <= WORKING_SET_BYTES, in [64, 4096], at most N."""
-  chunk = 64
-  while chunk < 4096 and 6 * (2 * chunk) * vocab <= WORKING_SET_BYTES:
-    chunk *= 2
-  return max(1, min(chunk, num_rows))
+def default_chunk(num_rows: int, dim: int, vocab: int, itemsize: int) -> int:
+  """Chunk size C: a multiple of 128 (matmul tiles), at least 128, at most N."""
+  unavoidable = 2 * itemsize * (num_rows * dim + dim * vocab)
+  budget = max(MIN_WORKING_SET_BYTES, WORKING_SET_SHARE * unavoidable)
+  chunk = int(budget // (6 * vocab)) // 128 * 128
+  return max(1, min(max(chunk, 128), MAX_CHUNK, num_rows))
 
 
 def xla_row_stats(logits_CxV, spec: objectives.LossSpec):
@@ -86,15 +88,10 @@ def chunk_dlogits(logits_CxV, gathered, terms, ids_CxK, labels_C, w_C, spec, dty
 
 
 def accumulate_dw(dw_DxV, hidden_CxD, dz_CxV):
-  """dW += h^T dz, accumulated in lm_head's dtype (one rounding of f32 partial + carry)."""
-  vocab = dw_DxV.shape[1]
-  step = -(-vocab // DW_SLICES)
-  for v0 in range(0, vocab, step):
-    v1 = min(vocab, v0 + step)
-    update_DxS = dw_DxV[:, v0:v1] + jnp.einsum("cd,cv->dv", hidden_CxD, dz_CxV[:, v0:v1],
-                                               preferred_element_type=dw_DxV.dtype)
-    dw_DxV = jax.lax.dynamic_update_slice_in_dim(dw_DxV, update_DxS, v0, axis=1)
-  return dw_DxV
+  """dW += h^T dz in lm_head's dtype: XLA folds the add into the matmul (cuBLAS beta = 1, in
+  place), which accumulates in float32 and rounds the sum once per chunk."""
+  return dw_DxV + jnp.einsum("cd,cv->dv", hidden_CxD, dz_CxV,
+                             preferred_element_type=dw_DxV.dtype)
 
 
 def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
