@@ -166,3 +166,12 @@ def test_loader_restore_continues_exactly(tmp_path):
   with pytest.raises(cache.CacheError, match="seed"):
     cache.Loader(store, batch_size=4, seed=4).restore(state)
   loader.close(), resumed.close()
+
+
+def test_compact_clips_log_probs_below_its_range(tmp_path):
+  rows = make_rows(np.random.default_rng(9), 4)
+  rows["topk_logprobs"][0, 0] = [-1.0, -2.0, -40.0, -100.0, -1000.0]
+  new_store(tmp_path / "s", layout_name="compact").write(0, rows)
+  got = cache.open(tmp_path / "s", allow_partial=True).read([0])["topk_logprobs"][0, 0]
+  floor = -layout.MAX_GAP * layout.LOGPROB_SCALE
+  np.testing.assert_allclose(got, [-1.0, -2.0, floor, floor, floor], atol=layout.LOGPROB_SCALE)
