@@ -311,7 +311,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("mode", choices=["sweep", "one", "check", "plot", "table", "memory"])
-  parser.add_argument("arg", nargs="?", help="one: SHAPE:TOKENS:IMPL[:CHUNK]; check: shapes (AB); plot/table: results file")
+  parser.add_argument("arg", nargs="?",
+                      help="one: SHAPE:TOKENS:IMPL[:CHUNK]; check: shapes (AB); plot/table: file")
   parser.add_argument("--configs", default="", help="comma-separated SHAPE:TOKENS:IMPL list")
   parser.add_argument("--set", choices=["quick", "long"], help="predefined config list")
   parser.add_argument("--out", default="runs/loss_bench", help="sweep output directory")

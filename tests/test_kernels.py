@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kdjax import kernels
-from kdjax.kernels import objectives, xla
+from kdjax.kernels import objectives, pallas, xla
 
 # Tolerances, once per input dtype; never loosen. bf16 gradients carry the bf16 rounding of dL/dz
 # before the gradient matmuls, of the outputs, and of dW accumulated chunk by chunk.
@@ -173,6 +173,17 @@ def test_without_labels_and_default_chunk(impl):
       h, w, inputs["topk_ids"], inputs["topk_logprobs"], inputs["mask"], temperature=2.5,
       impl=impl))(inputs["hidden"], inputs["lm_head"])
   assert_close("loss alone", alone, want["loss"], TOL[jnp.float32]["loss"])
+  assert_close("dhidden", dh, want["dh"], TOL[jnp.float32]["grad"])
+  assert_close("dlm_head", dw, want["dw"], TOL[jnp.float32]["grad"])
+
+
+def test_pallas_several_vocabulary_tiles(monkeypatch):
+  monkeypatch.setattr(pallas, "BLOCK", 128)  # V = 333: two full tiles and a partial one
+  inputs = make_inputs((2, 11), 16, 333, 6, jnp.float32)
+  want = numpy_loss(inputs, "tail", 0.7, 0.5)
+  value, _, (dh, dw) = run_loss(inputs, 1.0, objective="tail", temperature=0.7, ce_weight=0.5,
+                                impl="pallas", chunk_size=8)
+  assert_close("loss", value, want["loss"], TOL[jnp.float32]["loss"])
   assert_close("dhidden", dh, want["dh"], TOL[jnp.float32]["grad"])
   assert_close("dlm_head", dw, want["dw"], TOL[jnp.float32]["grad"])
 

@@ -21,6 +21,12 @@ z = hidden . lm_head over the FULL vocabulary (float32 accumulation):
 
   loss = sum_{mask} (KL term + ce_weight * CE) / max(#mask, 1)   (0 if nothing is masked in)
 
+Precision: logits and everything after them are float32; the gradient matmuls take dL/dz rounded
+once to the promoted dtype of hidden and lm_head (pass both in bf16 for speed), and the chunked
+impls accumulate dlm_head across chunks in lm_head's dtype (one rounding per chunk).
+Memory (chunked impls): hidden, lm_head, their gradients, plus one chunk's [C, V] float32 logits
+and their gradient; C defaults to xla.default_chunk.
+
 Shape letters: N flattened positions, D model width, V vocabulary, K cached entries.
 """
 import jax

@@ -14,11 +14,15 @@ The K (+1) exact entries at the top-k ids and label are then scattered in place 
 working set is z (4 bytes) + dz (2 bytes) per [C, V] element and nothing [N, V] exists.
 
 Backend: the Triton lowering (compiler_params=triton.CompilerParams). These are row-wise, memory
-bound passes with a masked tail tile (V need not be a multiple of the tile: 201088 = 2^7 * 1571);
-Triton's masked vector loads express that directly and reach memory bandwidth, while Mosaic GPU
-is built around warpgroup tiles and TMA copies that buy nothing here. Both kernels sit behind
-`row_stats` / `dense_grad`, so the backend can change without touching the driver. Off GPU they
-run in interpret mode, so CPU tests cover the same code.
+bound passes with a masked tail tile (V need not be a multiple of the tile: 201088 = 2^7 * 1571),
+which Triton's masked vector loads express directly; Mosaic GPU is built around warpgroup tiles
+and TMA copies, which buy nothing for a streaming pass. Both kernels sit behind `row_stats` /
+`dense_grad`, so the backend can change without touching the driver. Off GPU they run in
+interpret mode, so CPU tests cover the same code.
+
+Measured on an H200 (BENCHMARKS.md): 1-3% faster than XLA's own fusions of the same two passes;
+the three matmuls are ~90% of the time. The next step is to fold the row statistics into the
+first matmul's epilogue (a Pallas Hopper matmul), removing one full read of z per chunk.
 
 Shape letters: C chunk of positions, V vocabulary.
 """
