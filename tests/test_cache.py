@@ -175,3 +175,25 @@ def test_compact_clips_log_probs_below_its_range(tmp_path):
   got = cache.open(tmp_path / "s", allow_partial=True).read([0])["topk_logprobs"][0, 0]
   floor = -layout.MAX_GAP * layout.LOGPROB_SCALE
   np.testing.assert_allclose(got, [-1.0, -2.0, floor, floor, floor], atol=layout.LOGPROB_SCALE)
+
+
+def test_overwriting_a_finished_region_unrecords_it_until_written(tmp_path, monkeypatch):
+  rows = make_rows(np.random.default_rng(10), 10)
+  store = new_store(tmp_path / "s")
+  store.write(0, rows)
+  new = make_rows(np.random.default_rng(11), 2)
+
+  def killed(*args):
+    raise KeyboardInterrupt
+
+  real = cache.Store._record_region
+  monkeypatch.setattr(cache.Store, "_record_region", killed)
+  with pytest.raises(KeyboardInterrupt):
+    store.write(5, new)  # dies after the data, before the record
+  assert store.missing() == [(5, 7)]
+  monkeypatch.setattr(cache.Store, "_record_region", real)
+  store.write(5, new)
+  assert store.missing() == []
+  got = cache.open(tmp_path / "s").read(slice(0, 10))["topk_ids"]
+  np.testing.assert_array_equal(got[5:7], new["topk_ids"])
+  np.testing.assert_array_equal(got[[4, 7]], rows["topk_ids"][[4, 7]])

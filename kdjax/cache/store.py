@@ -127,18 +127,23 @@ class Store:
     """
     done = self.complete_regions()
     partial = self._partial_rows()
-    ranges = []
-    for region in range(rank, self.num_regions, world):
-      if region in done:
-        continue
-      start, stop = self.region_bounds(region)
-      covered = np.zeros(stop - start, bool)
-      for a, b in partial:
-        covered[max(a, start) - start:max(min(b, stop) - start, 0)] = True
-      # Split the region's uncovered rows into contiguous runs.
-      edges = np.flatnonzero(np.diff(np.concatenate([[1], covered.view(np.int8), [1]])))
-      ranges += [(start + int(a), start + int(b)) for a, b in zip(edges[::2], edges[1::2])]
-    return ranges
+    # (A region with no record whose rows are all covered cannot arise from write(); should one
+    # exist, it is rewritten whole.)
+    return [run for region in range(rank, self.num_regions, world) if region not in done
+            for run in self._uncovered(region, partial) or [self.region_bounds(region)]]
+
+  def _uncovered(self, region, partial):
+    """Runs of the region's rows that no partial record covers."""
+    start, stop = self.region_bounds(region)
+    covered = np.zeros(stop - start, bool)
+    for a, b in partial:
+      covered[max(a, start) - start:max(min(b, stop) - start, 0)] = True
+    edges = np.flatnonzero(np.diff(np.concatenate([[1], covered.view(np.int8), [1]])))
+    return [(start + int(a), start + int(b)) for a, b in zip(edges[::2], edges[1::2])]
+
+  def _record_rows(self, start, stop):
+    _write_json_atomic(os.path.join(self._manifest_dir(), f"p{start:012d}-{stop:012d}.json"),
+                       {"start": start, "stop": stop})
 
   def _check_batch(self, start, batch):
     expected = set(self.dtypes)
@@ -168,20 +173,27 @@ class Store:
     if self.k > 0:
       stored["topk_ids"], stored["topk_logprobs"] = layout_lib.encode_topk(
           batch["topk_ids"], batch["topk_logprobs"], self.dtypes, self._scale)
+    regions = range(start // self.region_rows, -(-stop // self.region_rows))
+    done = self.complete_regions()
+    for region in regions:
+      if region in done:
+        # Overwriting a finished region: it must read as unfinished until this write is durable;
+        # its rows outside the write stay valid.
+        lo, hi = self.region_bounds(region)
+        for a, b in ((lo, min(start, hi)), (max(stop, lo), hi)):
+          if a < b:
+            self._record_rows(a, b)
+        os.unlink(self.region_record_path(region))
     futures = [self._arrays[name][start:stop].write(arr.astype(self.dtypes[name]))
                for name, arr in stored.items()]
     for future in futures:
       future.result()
-    for region in range(start // self.region_rows, -(-stop // self.region_rows)):
-      lo, hi = self.region_bounds(region)
-      if start <= lo and hi <= stop:
-        self._record_region(region)
+    for region in regions:
+      if self._uncovered(region, self._partial_rows() + [(start, stop)]):
+        lo, hi = self.region_bounds(region)
+        self._record_rows(max(lo, start), min(hi, stop))
       else:
-        a, b = max(lo, start), min(hi, stop)
-        _write_json_atomic(os.path.join(self._manifest_dir(), f"p{a:012d}-{b:012d}.json"),
-                           {"start": a, "stop": b})
-        if not any(lo <= s < hi for s, _ in self.missing()):
-          self._record_region(region)
+        self._record_region(region)
 
   def _record_region(self, region):
     start, stop = self.region_bounds(region)
