@@ -14,7 +14,6 @@ def test_explore_cache_notebook_runs(tmp_path, monkeypatch):
   new_store(tmp_path / "cache", num_seqs=10, layout_name="compact").write(
       0, make_rows(np.random.default_rng(0), 10))
   monkeypatch.setenv("KDJAX_CACHE", str(tmp_path / "cache"))
-  monkeypatch.setenv("MPLBACKEND", "agg")
   with open(NOTEBOOK) as f:
     notebook = nbformat.read(f, as_version=4)
   NotebookClient(notebook, timeout=120, kernel_name="python3",
