@@ -23,7 +23,8 @@ from kdjax.train import next_token_labels
 def _batch_sums(params, batch, *, graphdef, chunk_size):
   model = nnx.merge(graphdef, params)
   hidden_BxTxD = model(batch["tokens"], batch["positions"], batch["segment_ids"])
-  stats = kernels.position_stats(hidden_BxTxD, model.lm_head_DxV(), batch["topk_ids"],
+  lm_head_DxV = model.lm_head_DxV().astype(hidden_BxTxD.dtype)  # as in training
+  stats = kernels.position_stats(hidden_BxTxD, lm_head_DxV, batch["topk_ids"],
                                  batch["labels"], chunk_size=chunk_size)
   logq_BxTxK = stats["topk_logits"] - stats["lse"][..., None]
   p_BxTxK = jnp.exp(batch["topk_logprobs"])

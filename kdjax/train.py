@@ -80,8 +80,11 @@ def to_step_batch(rows: dict, accum_steps: int, hard_labels: bool) -> dict:
 def loss_fn(params, graphdef, batch, loss: LossSettings):
   model = nnx.merge(graphdef, params)
   hidden_BxTxD = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+  # The loss matmuls run in the compute dtype (bf16 at scale) with f32 accumulation; an f32
+  # lm_head would make all three run in f32. Its gradient flows back to the f32 parameters.
+  lm_head_DxV = model.lm_head_DxV().astype(hidden_BxTxD.dtype)
   return kernels.topk_kl_loss(
-      hidden_BxTxD, model.lm_head_DxV(), batch["topk_ids"], batch["topk_logprobs"],
+      hidden_BxTxD, lm_head_DxV, batch["topk_ids"], batch["topk_logprobs"],
       batch["loss_mask"], objective=loss.objective, temperature=loss.temperature,
       labels=batch["labels"], ce_weight=loss.ce_weight, impl=loss.impl,
       chunk_size=loss.chunk_size, return_aux=True)
