@@ -64,3 +64,21 @@ def test_exported_student_loads_in_transformers(side_python, user_run):  # noqa:
 def test_student_moved_towards_teacher(user_run):
   results = json.load(open(user_run / "run" / "eval.json"))
   assert results["student"]["kl"] < results["student_init"]["kl"]
+
+
+def test_student_with_another_tokenizer_is_refused(user_run):
+  work = user_run
+  import shutil
+  other = work / "student_other_tokenizer"
+  shutil.copytree(work / "qwen3_student", other)
+  spec = json.load(open(other / "tokenizer.json"))
+  spec["model"]["vocab"]["w1"], spec["model"]["vocab"]["w2"] = 2, 1  # same size, other ids
+  json.dump(spec, open(other / "tokenizer.json", "w"))
+  proc = subprocess.run(
+      [sys.executable, "-m", "kdjax.main", f"--config={ROOT}/configs/demo.py",
+       f"--config.workdir={work}/run", f"--config.data.tokenizer={work}/qwen3",
+       f"--config.student.hf_path={other}", f"--config.teacher.hf_path={work}/qwen3",
+       "--config.data.seq_len=32", "--config.cache.k=16", "--config.stages=('train',)"],
+      capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode != 0
+  assert "tokenizer" in proc.stderr.splitlines()[-1]
