@@ -52,7 +52,6 @@ def model_config(group: ml_collections.ConfigDict, vocab_size: int) -> llama.Mod
   """The model shapes of a config group; vocab_size 0 takes the tokenizer's size."""
   fields = group.to_dict()
   fields["vocab_size"] = group.vocab_size or vocab_size
-  fields["rope_scaling"] = fields["rope_scaling"] or None  # empty group = no scaling
   return llama.ModelConfig.from_config(ml_collections.ConfigDict(fields))
 
 

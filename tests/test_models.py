@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kdjax import config
 from kdjax.models import llama
 from kdjax.models.llama import ModelConfig, Transformer
 
@@ -221,15 +222,15 @@ def test_llama3_rope_scaling():
 
 
 def test_from_config_and_validation():
-  group = ml_collections.ConfigDict(dict(
-      checkpoint="", vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-      d_ff=48, rope_theta=5e5, norm_eps=1e-5, tie_embeddings=True, qk_norm=False,
-      dtype="bfloat16", param_dtype="float32", remat=False,
-      rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                        original_max_position_embeddings=8192)))
+  group = config.model_group(
+      vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
+      rope_theta=5e5, norm_eps=1e-5, tie_embeddings=True, qk_norm=False, dtype="bfloat16",
+      param_dtype="float32", remat=False, attention_impl="einsum")
+  group.rope_scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                            original_max_position_embeddings=8192)
   cfg = ModelConfig.from_config(group)
   assert cfg.d_model == 32 and cfg.rope_scaling["factor"] == 8.0 and cfg.dtype == "bfloat16"
-  assert not cfg.remat
+  assert not cfg.remat and cfg.attention_impl == "einsum"
   group.rope_scaling = ml_collections.ConfigDict()  # empty group: no scaling
   assert ModelConfig.from_config(group).rope_scaling is None
   with pytest.raises(ValueError, match="multiple of n_kv_heads"):
