@@ -105,13 +105,17 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
       outputs = [step(*(_pad_rows(rows[name][lo:lo + batch_size], batch_size)
                         for name in ("tokens", "positions", "segment_ids")))
                  for lo in range(0, stop - start, batch_size)]  # dispatched, not awaited
+      ids, logprobs = [], []
+      for lo, (batch_ids, batch_logprobs) in zip(range(0, stop - start, batch_size), outputs):
+        ids.append(np.asarray(batch_ids))
+        logprobs.append(np.asarray(batch_logprobs))
+        bar.update((min(lo + batch_size, stop - start) - lo) * store.seq_len)
       out = {name: rows[name] for name in _TOKEN_ARRAYS}
-      out["topk_ids"] = np.concatenate([np.asarray(ids) for ids, _ in outputs])[:stop - start]
-      out["topk_logprobs"] = np.concatenate([np.asarray(lp) for _, lp in outputs])[:stop - start]
+      out["topk_ids"] = np.concatenate(ids)[:stop - start]
+      out["topk_logprobs"] = np.concatenate(logprobs)[:stop - start]
       if pending is not None:
         pending.result()
       pending = writer.submit(store.write, start, out)
-      pending.add_done_callback(lambda _, n=(stop - start) * store.seq_len: bar.update(n))
     if pending is not None:
       pending.result()
   return store
