@@ -7,6 +7,7 @@ Outputs under the workdir:
   cache/{train,eval}.zarr     the teacher's top-k per position (or cache.path)
   student/, baseline/         checkpoints and metrics.jsonl of the distilled / hard-label student
   eval.json                   held-out metrics of every model evaluated
+  curves.png                  training KL and CE of the distilled and hard-label students
   export/                     (stage export) the student as a Hugging Face checkpoint directory
 """
 import dataclasses
@@ -17,7 +18,7 @@ import os
 import ml_collections
 from flax import nnx
 
-from kdjax import cache, config, data, evaluate, teacher, tokenizer, train
+from kdjax import cache, config, data, evaluate, plots, teacher, tokenizer, train
 from kdjax.models import llama
 
 
@@ -145,6 +146,12 @@ def stage_eval(c, paths: Paths):
                                      desc=f"eval {name}") for name, m in models.items()}
   with open(os.path.join(c.workdir, "eval.json"), "w") as f:
     json.dump(results, f, indent=2)
+  runs = {name: os.path.join(paths.run(name), "metrics.jsonl")
+          for name in ("student", "baseline") if name in models}
+  plots.training_curves(
+      [("train CE on the true next tokens (nats)", "ce", runs),
+       ("student's distillation loss (nats)", "kl", {"student": runs.get("student", "")})],
+      os.path.join(c.workdir, "curves.png"))
   print_report(results)
   return results
 

@@ -29,7 +29,7 @@ def demo_run(tmp_path_factory):
 
 def test_demo_smoke_runs_every_stage_and_reports(demo_run):
   workdir, out = demo_run
-  for path in ("config.json", "eval.json", "data/tokenizer.json", "data/train.zarr",
+  for path in ("config.json", "eval.json", "curves.png", "data/tokenizer.json", "data/train.zarr",
                "cache/train.zarr", "cache/eval.zarr", "teacher/metrics.jsonl",
                "student/metrics.jsonl", "baseline/metrics.jsonl", "export/config.json",
                "export/model.safetensors", "export/tokenizer.json"):

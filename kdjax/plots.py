@@ -1,0 +1,31 @@
+"""Training curves as a PNG, read from metrics.jsonl files."""
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read_metrics(path: str) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def training_curves(panels: list[tuple[str, str, dict[str, str]]], out_png: str) -> str:
+  """panels: [(y label, metric, {run label: metrics.jsonl path})]; missing files are left out."""
+  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
+  for ax, (ylabel, metric, runs) in zip(axes[0], panels):
+    for label, path in runs.items():
+      if os.path.exists(path):
+        rows = read_metrics(path)
+        ax.plot([r["step"] for r in rows], [r[metric] for r in rows], label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(out_png, dpi=100)
+  plt.close(fig)
+  return out_png
