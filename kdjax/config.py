@@ -80,6 +80,8 @@ def base() -> ml_collections.ConfigDict:
   c.cache.layout = "float32"  # "float32" or "compact" (quantised log-probs, small ids)
   c.cache.batch_size = 8  # sequences per teacher forward pass
   c.cache.chunk_size = 128  # positions per teacher lm_head chunk (bounds [B, C, V] logits)
+  c.cache.rank = 0  # this writer's index: several processes/hosts write disjoint regions
+  c.cache.world = 1  # number of writers (rank r writes regions r, r + world, ...)
 
   c.loss = ml_collections.ConfigDict()
   c.loss.objective = "sparse"  # "sparse" (paper), "tail" (+ one bucket for 1 - top-k mass), "renorm"
@@ -134,6 +136,7 @@ def validate(c: ml_collections.ConfigDict):
   _require(c.cache.k > 0, "cache.k must be > 0")
   _require(c.cache.layout in LAYOUTS, f"cache.layout must be one of {LAYOUTS}")
   _require(c.cache.batch_size > 0 and c.cache.chunk_size > 0, "cache.batch_size, chunk_size > 0")
+  _require(0 <= c.cache.rank < c.cache.world, "cache.rank must be in [0, cache.world)")
   _require(c.loss.objective in OBJECTIVES, f"loss.objective must be one of {OBJECTIVES}")
   _require(c.loss.impl in IMPLS, f"loss.impl must be one of {IMPLS}")
   _require(c.loss.temperature > 0, "loss.temperature must be > 0")

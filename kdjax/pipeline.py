@@ -105,7 +105,8 @@ def stage_cache(c, paths: Paths):
   for split in ("train", "eval"):
     teacher.write_cache(model, cache.open(paths.data(split)), paths.cache(split), k=c.cache.k,
                         batch_size=c.cache.batch_size, chunk_size=c.cache.chunk_size,
-                        vocab_size=model.lm_head_DxV().shape[1], attrs=attrs, layout=c.cache.layout)
+                        vocab_size=model.lm_head_DxV().shape[1], attrs=attrs,
+                        layout=c.cache.layout, rank=c.cache.rank, world=c.cache.world)
 
 
 def student_tokenizer_hash(c, paths: Paths) -> str:

@@ -99,3 +99,17 @@ def test_training_killed_by_sigkill_resumes_to_the_same_result(demo_run, tmp_pat
   assert straight == resumed
   last = lambda w: json.loads(open(w / "student/metrics.jsonl").read().splitlines()[-1])
   assert last(runs["straight"])["loss"] == last(runs["killed"])["loss"]
+
+
+def test_notebook_runs_on_the_demo_cache(demo_run, monkeypatch):
+  import nbformat
+  from nbclient import NotebookClient
+  workdir, _ = demo_run
+  monkeypatch.setenv("KDJAX_CACHE", str(workdir / "cache" / "eval.zarr"))
+  with open(os.path.join(ROOT, "notebooks", "explore_cache.ipynb")) as f:
+    notebook = nbformat.read(f, as_version=4)
+  NotebookClient(notebook, timeout=120, kernel_name="python3",
+                 resources={"metadata": {"path": str(workdir)}}).execute()
+  outputs = "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                    for out in cell.outputs)
+  assert "top-k mass" in outputs and "tensorstore and zarr-python disagree" not in outputs
