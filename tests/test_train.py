@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from kdjax import cache, config, train
+from kdjax.plots import read_metrics
 from kdjax.models import llama
 
 V, T, K, S = 64, 16, 8, 24  # vocab, seq_len, top-k, sequences
@@ -54,11 +55,6 @@ def fit(tmp_path, store, name="run", cfg=None, opt=None, hard_labels=False, seed
 
 def params_of(model):
   return jax.tree.leaves(nnx.state(model))
-
-
-def read_metrics(path):
-  import json
-  return [json.loads(line) for line in open(path)]
 
 
 def test_distillation_loss_falls_and_logs(tmp_path):
