@@ -11,6 +11,7 @@ Outputs under the workdir:
   export/                     (stage export) the student as a Hugging Face checkpoint directory
 """
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -97,9 +98,29 @@ def load_teacher(c, paths: Paths):
   return stage_pretrain(c, paths)[0]  # the finished teacher, restored without training again
 
 
+def teacher_hash(c, paths: Paths) -> str:
+  """Identity of the teacher's weights without reading them: config.json plus every weight file's
+  name, size and header (safetensors) or the final checkpoint's files (a teacher trained here)."""
+  digest = hashlib.sha256()
+  root = c.teacher.hf_path or os.path.join(paths.run("teacher"), "ckpt")
+  for folder, dirs, files in sorted(os.walk(root)):
+    dirs.sort()
+    for name in sorted(files):
+      path = os.path.join(folder, name)
+      digest.update(f"{os.path.relpath(path, root)}:{os.path.getsize(path)}".encode())
+      if name == "config.json" or name.endswith(".safetensors"):
+        with open(path, "rb") as f:
+          head = f.read(8)
+          # config.json whole; a safetensors file's JSON header (names, shapes, offsets)
+          size = int.from_bytes(head, "little") if name.endswith(".safetensors") else -1
+          digest.update(head + f.read(size))
+  return digest.hexdigest()
+
+
 def stage_cache(c, paths: Paths):
   model = load_teacher(c, paths)
   attrs = {"teacher": c.teacher.hf_path or os.path.abspath(paths.run("teacher")),
+           "teacher_hash": teacher_hash(c, paths),
            "tokenizer_hash": tokenizer.tokenizer_hash(load_tokenizer(c, paths)),
            "source": c.data.source}
   for split in ("train", "eval"):

@@ -40,6 +40,8 @@ def test_demo_smoke_runs_every_stage_and_reports(demo_run):
   assert abs(results["teacher"]["kl"]) < 1e-3
   assert results["teacher"]["top1_agreement"] > 0.999
   assert "KL to teacher" in out.stderr and "distillation cut" in out.stderr
+  attrs = json.load(open(workdir / "cache/train.zarr/zarr.json"))["attributes"]
+  assert len(attrs["teacher_hash"]) == 64 and attrs["k"] == 16 and attrs["tokenizer_hash"]
   steps = [json.loads(line)["step"] for line in open(workdir / "student/metrics.jsonl")]
   assert steps == [2, 4, 6]
 
