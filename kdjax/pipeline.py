@@ -119,7 +119,8 @@ def teacher_hash(c, paths: Paths) -> str:
 
 def stage_cache(c, paths: Paths):
   model = load_teacher(c, paths)
-  attrs = {"teacher": c.teacher.hf_path or os.path.abspath(paths.run("teacher")),
+  # The hash identifies the weights; the name is for people (a workdir may move, so no path).
+  attrs = {"teacher": c.teacher.hf_path or "trained by stage pretrain (<workdir>/teacher)",
            "teacher_hash": teacher_hash(c, paths),
            "tokenizer_hash": tokenizer.tokenizer_hash(load_tokenizer(c, paths)),
            "source": c.data.source}
