@@ -3,7 +3,12 @@
     XLA_PYTHON_CLIENT_PREALLOCATE=false python experiments/loss_bench.py sweep --out DIR \
         --configs A:32768:pallas,A:32768:liger,...   # or --set quick / --set long
     python experiments/loss_bench.py check           # pallas/xla/paper vs f32 reference
+    python experiments/loss_bench.py dwcheck A:32768,A:1048576   # bf16 vs f32 dW accumulation
     python experiments/loss_bench.py plot DIR/results.jsonl
+
+A config is SHAPE:TOKENS:IMPL[:CHUNK]; IMPL may carry options after "+": "f32dw" accumulates
+dlm_head in float32 (dw_dtype), "noat" compiles with XLA's gemm autotuning off
+(--xla_gpu_autotune_level=0: cuBLAS's heuristic algorithm, no autotuning buffers).
 
 Shapes: A = D 4096, V 131072; B = D 2880, V 201088. bf16 inputs, K = 100, sparse objective,
 about 10% of positions masked out. impl "liger" is Liger-Kernel's fused linear cross-entropy on
@@ -71,7 +76,7 @@ def jax_inputs(shape, tokens):
   return hidden, lm_head, ids.astype(jnp.int32), logp, mask, labels
 
 
-def run_jax(shape, tokens, impl, chunk):
+def run_jax(shape, tokens, impl, chunk, dw_dtype=None):
   import jax
   import jax.numpy as jnp
   from kdjax import kernels
@@ -94,7 +99,7 @@ def run_jax(shape, tokens, impl, chunk):
   before, gen_peak = stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
   step = jax.jit(jax.value_and_grad(
       lambda h, w, ids, logp, mask: kernels.topk_kl_loss(h, w, ids, logp, mask, impl=impl,
-                                                          chunk_size=chunk),
+                                                          chunk_size=chunk, dw_dtype=dw_dtype),
       argnums=(0, 1)))
   # XLA's own account of the program: arguments + outputs + peak temporaries. The process
   # peak below also holds one-time compile-time allocations (gemm autotuning buffers).
@@ -167,15 +172,22 @@ def one(spec, chunk):
   shape, tokens, impl, *rest = spec.split(":")  # optional 4th field: chunk size
   tokens = int(tokens)
   chunk = int(rest[0]) if rest else chunk
+  impl, *options = impl.split("+")
+  unknown = set(options) - {"f32dw", "noat"}
+  if unknown:
+    raise SystemExit(f"unknown options {unknown} in {spec}")
+  if "noat" in options:  # before jax is imported
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_gpu_autotune_level=0").strip()
   try:
     if impl == "liger":
       res = run_liger(shape, tokens)
     else:
-      res = run_jax(shape, tokens, impl, chunk)
+      res = run_jax(shape, tokens, impl, chunk, "float32" if "f32dw" in options else None)
   except Exception as e:  # noqa: BLE001 - an OOM is a result
     msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
     res = dict(error=msg, oom="RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e))
-  res.update(shape=shape, tokens=tokens, impl=impl, chunk=chunk,
+  res.update(shape=shape, tokens=tokens, impl="+".join([impl] + options), chunk=chunk,
              overrides=os.environ.get("KDJAX_BENCH_SET", ""))
   print("RESULT " + json.dumps(res), flush=True)
 
@@ -268,6 +280,33 @@ def check(shapes="AB", tokens=4000):
                                                ("loss", "dh_norm", "dw_norm", "dh_max", "dw_max")))
 
 
+def dwcheck(specs):
+  """dlm_head and dhidden of impl pallas with dW accumulated in bf16 (one rounding per chunk)
+  against float32 accumulation (one rounding at the end), same inputs, default chunks."""
+  import jax
+  import jax.numpy as jnp
+  from kdjax import kernels
+  for spec in specs.split(","):
+    shape, tokens = spec.split(":")
+    hidden, lm_head, ids, logp, mask, labels = jax_inputs(shape, int(tokens))
+    grads = {}
+    for dw_dtype in (None, "float32"):
+      step = jax.jit(jax.grad(lambda h, w: kernels.topk_kl_loss(
+          h, w, ids, logp, mask, objective="tail", impl="pallas", dw_dtype=dw_dtype),
+          argnums=(0, 1)))
+      grads[dw_dtype] = [g.astype(jnp.float32) for g in step(hidden, lm_head)]
+      del step
+    rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+    chunk = kernels.xla.default_chunk(int(tokens), *SHAPES[shape], 2)
+    print("DWCHECK " + json.dumps(dict(
+        shape=shape, tokens=int(tokens), chunk=chunk, chunks=-(-int(tokens) // chunk),
+        dw_rel_diff=rel(grads[None][1], grads["float32"][1]),
+        dw_max_rel_diff=float(jnp.max(jnp.abs(grads[None][1] - grads["float32"][1])) /
+                              jnp.max(jnp.abs(grads["float32"][1]))),
+        dh_rel_diff=rel(grads[None][0], grads["float32"][0]))), flush=True)
+    del grads
+
+
 def plot(path, png):
   """Time and peak memory against tokens, one column per shape, one line per impl."""
   import matplotlib
@@ -310,7 +349,8 @@ def plot(path, png):
 def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("mode", choices=["sweep", "one", "check", "plot", "table", "memory"])
+  parser.add_argument("mode", choices=["sweep", "one", "check", "dwcheck", "plot", "table",
+                                       "memory"])
   parser.add_argument("arg", nargs="?",
                       help="one: SHAPE:TOKENS:IMPL[:CHUNK]; check: shapes (AB); plot/table: file")
   parser.add_argument("--configs", default="", help="comma-separated SHAPE:TOKENS:IMPL list")
@@ -325,6 +365,8 @@ def main():
     memory(args.arg, args.out)
   elif args.mode == "check":
     check(args.arg or "AB")
+  elif args.mode == "dwcheck":
+    dwcheck(args.arg)
   elif args.mode == "sweep":
     configs = [c for c in args.configs.split(",") if c]
     configs += {"quick": QUICK, "long": LONG, None: []}[args.set]

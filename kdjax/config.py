@@ -89,6 +89,7 @@ def base() -> ml_collections.ConfigDict:
   c.loss.ce_weight = 0.0  # weight of hard-label cross-entropy mixed into the distillation loss
   c.loss.impl = "auto"  # "auto" (pallas on GPU, xla on CPU), "xla", "pallas", "paper", "reference"
   c.loss.chunk_size = 1024  # positions per loss chunk (bounds [C, V] logits)
+  c.loss.dw_dtype = "float32"  # lm_head gradient accumulated across chunks in: "float32", "bfloat16"
 
   c.opt = opt_group()  # student training (stages "train" and "baseline")
 
@@ -142,6 +143,8 @@ def validate(c: ml_collections.ConfigDict):
   _require(c.loss.temperature > 0, "loss.temperature must be > 0")
   _require(c.loss.ce_weight >= 0, "loss.ce_weight must be >= 0")
   _require(c.loss.chunk_size > 0, "loss.chunk_size must be > 0")
+  _require(c.loss.dw_dtype in ("float32", "bfloat16"),
+           "loss.dw_dtype must be 'float32' or 'bfloat16'")
   _require(c.eval.batch_size > 0 and c.eval.max_seqs >= 0, "eval.batch_size > 0, eval.max_seqs >= 0")
   _check_model("teacher", c.teacher)
   _check_model("student", c.student)

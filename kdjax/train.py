@@ -36,12 +36,13 @@ class LossSettings:
   ce_weight: float
   impl: str
   chunk_size: int
+  dw_dtype: str
 
   @classmethod
   def from_config(cls, g, hard_labels: bool) -> "LossSettings":
     if hard_labels:  # one-hot teacher: sparse KL == cross-entropy; see the module docstring
-      return cls("sparse", 1.0, 0.0, g.impl, g.chunk_size)
-    return cls(g.objective, g.temperature, g.ce_weight, g.impl, g.chunk_size)
+      return cls("sparse", 1.0, 0.0, g.impl, g.chunk_size, g.dw_dtype)
+    return cls(g.objective, g.temperature, g.ce_weight, g.impl, g.chunk_size, g.dw_dtype)
 
 
 def make_optimizer(g) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -87,7 +88,7 @@ def loss_fn(params, graphdef, batch, loss: LossSettings):
       hidden_BxTxD, lm_head_DxV, batch["topk_ids"], batch["topk_logprobs"],
       batch["loss_mask"], objective=loss.objective, temperature=loss.temperature,
       labels=batch["labels"], ce_weight=loss.ce_weight, impl=loss.impl,
-      chunk_size=loss.chunk_size, return_aux=True)
+      chunk_size=loss.chunk_size, dw_dtype=loss.dw_dtype, return_aux=True)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "tx", "loss"), donate_argnames="state")

@@ -188,6 +188,47 @@ def test_pallas_several_vocabulary_tiles(monkeypatch):
   assert_close("dlm_head", dw, want["dw"], TOL[jnp.float32]["grad"])
 
 
+@pytest.mark.parametrize("objective", ["sparse", "tail"])
+def test_pallas_row_maximum_far_above_topk(monkeypatch, objective):
+  """Rows whose largest logit is 90 above every top-k logit and label: pallas's exp_pass must
+  shift them by their own maximum (exp(90) overflows float32), the others by the top-k hint."""
+  inputs = make_inputs((37,), 16, 300, 5, jnp.float32)
+  rows = np.arange(37) % 2 == 0
+  hidden = np.asarray(inputs["hidden"]).copy()
+  lm_head = np.asarray(inputs["lm_head"]).copy()
+  ids, labels = np.asarray(inputs["topk_ids"]), np.asarray(inputs["labels"])
+  spike = next(v for v in range(300) if not np.any(ids[rows] == v) and not np.any(labels == v))
+  hidden[:, 0] = np.where(rows, 1.0, 0.0)
+  lm_head[0, :] = 0.0
+  lm_head[0, spike] = 90.0 + np.abs(hidden[:, 1:] @ lm_head[1:]).max()
+  inputs = dict(inputs, hidden=jnp.asarray(hidden), lm_head=jnp.asarray(lm_head))
+  want = numpy_loss(inputs, objective, 1.0, 0.5)
+  value, _, (dh, dw) = run_loss(inputs, 1.0, objective=objective, ce_weight=0.5,
+                                impl="pallas", chunk_size=8)
+  assert_close("loss", value, want["loss"], TOL[jnp.float32]["loss"])
+  assert_close("dhidden", dh, want["dh"], TOL[jnp.float32]["grad"])
+  assert_close("dlm_head", dw, want["dw"], TOL[jnp.float32]["grad"])
+  monkeypatch.setattr(xla, "SHIFT_LIMIT", float("inf"))  # the test does exercise that branch
+  value, _, _ = run_loss(inputs, 1.0, objective=objective, ce_weight=0.5, impl="pallas",
+                         chunk_size=8)
+  assert not np.isfinite(float(value))
+
+
+@pytest.mark.parametrize("impl", CHUNKED)
+def test_float32_dw_accumulation(impl):
+  """64 chunks of bf16 inputs: dW accumulated in float32 is rounded once, at the end (error
+  ~2e-3 here); in bf16 once per chunk (~9e-3)."""
+  inputs = make_inputs((256,), 16, 200, 5, jnp.bfloat16, masked_frac=0.0)
+  want = numpy_loss(inputs, "tail", 1.0, 0.0)
+  errors = {}
+  for dw_dtype in (None, "float32"):
+    _, _, (_, dw) = run_loss(inputs, 1.0, objective="tail", impl=impl, chunk_size=4,
+                             dw_dtype=dw_dtype)
+    assert dw.dtype == jnp.bfloat16
+    errors[dw_dtype] = np.linalg.norm(_f64(dw) - want["dw"]) / np.linalg.norm(want["dw"])
+  assert errors["float32"] <= 4e-3 < errors[None], errors
+
+
 def test_default_chunk_grows_with_memory():
   small = xla.default_chunk(32768, 4096, 131072, 2)
   large = xla.default_chunk(262144, 4096, 131072, 2)

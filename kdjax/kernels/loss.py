@@ -23,7 +23,8 @@ z = hidden . lm_head over the FULL vocabulary (float32 accumulation):
 
 Precision: logits and everything after them are float32; the gradient matmuls take dL/dz rounded
 once to the promoted dtype of hidden and lm_head (pass both in bf16 for speed), and the chunked
-impls accumulate dlm_head across chunks in lm_head's dtype (one rounding per chunk).
+impls accumulate dlm_head across chunks in `dw_dtype`: lm_head's dtype by default (one rounding
+per chunk, as peers do), or float32 (rounded once at the end, 4 * D * V more bytes).
 Memory (chunked impls): hidden, lm_head, their gradients, plus one chunk's [C, V] float32 logits
 and their gradient; C defaults to xla.default_chunk.
 
@@ -81,7 +82,7 @@ def _check_chunk(chunk_size):
 
 def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="sparse",
                  temperature=1.0, labels=None, ce_weight=0.0, impl="auto", chunk_size=None,
-                 return_aux=False):
+                 dw_dtype=None, return_aux=False):
   """Top-k KL distillation loss (module docstring has the definitions).
 
   Args:
@@ -96,6 +97,7 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
     ce_weight: weight of the cross-entropy term (needs labels).
     impl: "auto" | "reference" | "xla" | "pallas" | "paper".
     chunk_size: positions per chunk for the chunked impls (None: sized to the vocabulary).
+    dw_dtype: dtype the chunked impls accumulate dlm_head in (None: lm_head's; "float32").
     return_aux: also return {"kl": mean KL term, "ce": mean CE} (no gradient through these).
   Returns:
     float32 scalar loss, differentiable in hidden and lm_head; (loss, aux) with return_aux.
@@ -115,6 +117,10 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
   if ce_weight != 0.0 and labels is None:
     raise ValueError(f"ce_weight={ce_weight} needs labels")
   _check_chunk(chunk_size)
+  if dw_dtype is not None:
+    dw_dtype = jnp.dtype(dw_dtype)
+    if not jnp.issubdtype(dw_dtype, jnp.floating):
+      raise ValueError(f"dw_dtype must be a float dtype or None, got {dw_dtype}")
 
   dim, vocab = lm_head.shape
   hidden_NxD = hidden.reshape(-1, dim)
@@ -137,7 +143,8 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
     itemsize = jnp.dtype(jnp.promote_types(hidden.dtype, lm_head.dtype)).itemsize
     chunk = min(chunk_size or default_chunk(num_rows, dim, vocab, itemsize), num_rows)
     w_N = mask_N.astype(jnp.float32) / jnp.maximum(jnp.sum(mask_N), 1).astype(jnp.float32)
-    loss, kl, ce = fused(hidden_NxD, lm_head, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk)
+    loss, kl, ce = fused(hidden_NxD, lm_head, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
+                         dw_dtype)
   if not return_aux:
     return loss
   return loss, {"kl": jax.lax.stop_gradient(kl), "ce": jax.lax.stop_gradient(ce)}

@@ -42,11 +42,6 @@ NUM_WARPS = 8
 
 default_chunk = xla.default_chunk
 
-# A finite "minus infinity" for running maxima, so fully masked lanes give exp(-inf - m) = 0
-# instead of exp(-inf + inf) = NaN.
-_NEG = -1e30
-
-
 def _interpret() -> bool:
   return jax.default_backend() != "gpu"
 
@@ -67,36 +62,54 @@ def _cols(i, vocab, block):
   return cols, cols < vocab
 
 
-def _stats_kernel(z_ref, *lse_refs, scales, block):
+def _exp_kernel(z_ref, hint_ref, *refs, scales, block, write):
+  # refs: E row (if write), one sum per scale, the shift used.
+  e_ref = refs[0] if write else None
+  sum_refs, shift_ref = refs[int(write):-1], refs[-1]
   vocab = z_ref.shape[0]
 
-  def body(i, carry):
-    cols, valid = _cols(i, vocab, block)
-    z = pltriton.load(z_ref.at[cols], mask=valid, other=-jnp.inf)
-    out = []
-    for scale, (m, s) in zip(scales, carry):
-      x = z * scale
-      m_new = jnp.maximum(m, x)
-      out.append((m_new, s * jnp.exp(m - m_new) + jnp.exp(x - m_new)))
-    return tuple(out)
+  def sweep(shift):
+    """One read of the row: max(z) and sum exp((z - shift) * scale); writes E."""
+    def body(i, carry):
+      cols, valid = _cols(i, vocab, block)
+      z = pltriton.load(z_ref.at[cols], mask=valid, other=-jnp.inf)
+      es = [jnp.exp((z - shift) * scale) for scale in scales]
+      if write:
+        pltriton.store(e_ref.at[cols], es[0].astype(e_ref.dtype), mask=valid)
+      return (jnp.maximum(carry[0], z),) + tuple(s + e for s, e in zip(carry[1:], es))
 
-  init = tuple((jnp.full((block,), _NEG, jnp.float32), jnp.zeros((block,), jnp.float32))
-               for _ in scales)
-  for ref, (m, s) in zip(lse_refs, jax.lax.fori_loop(0, _tiles(vocab, block), body, init)):
-    m_max = jnp.max(m)
-    ref[...] = m_max + jnp.log(jnp.sum(s * jnp.exp(m - m_max)))
+    init = (jnp.full((block,), -jnp.inf, jnp.float32),) + tuple(
+        jnp.zeros((block,), jnp.float32) for _ in scales)
+    out = jax.lax.fori_loop(0, _tiles(vocab, block), body, init)
+    return jnp.max(out[0]), [jnp.sum(s) for s in out[1:]]
+
+  def finish(shift, sums):
+    shift_ref[...] = shift
+    for ref, s in zip(sum_refs, sums):
+      ref[...] = s
+
+  hint = hint_ref[...]
+  top, sums = sweep(hint)
+  finish(hint, sums)
+
+  @pl.when((top - hint) * max(scales) > xla.SHIFT_LIMIT)
+  def _():  # rare: the row's maximum is far above every top-k logit; shift by the maximum
+    finish(top, sweep(top)[1])
 
 
-def row_stats(logits_CxV, spec: objectives.LossSpec):
-  """(logsumexp(z / tau), logsumexp(z)) per row in one read of z."""
+def exp_pass(logits_CxV, hint_C, scales, dtype):
+  """(E = exp((z - shift) * scales[0]) in dtype or None, sums per scale, shift): see
+  kdjax.kernels.xla. One read of z per row, two for rows beyond xla.SHIFT_LIMIT."""
   rows, vocab = logits_CxV.shape
   block = min(BLOCK, pl.next_power_of_2(vocab))
-  scales = (1.0 / spec.temperature, 1.0) if spec.two_softmax else (1.0 / spec.temperature,)
-  out_shape = tuple(jax.ShapeDtypeStruct((), jnp.float32) for _ in scales)
-  call = _row_call(functools.partial(_stats_kernel, scales=scales, block=block), out_shape,
-                   "topk_kl_row_stats")
-  lse = jax.vmap(call)(logits_CxV.astype(jnp.float32))
-  return (lse[0], lse[1]) if spec.two_softmax else (lse[0], lse[0])
+  scalar = jax.ShapeDtypeStruct((), jnp.float32)
+  out_shape = ((jax.ShapeDtypeStruct((vocab,), dtype),) if dtype is not None else ()) + (
+      (scalar,) * len(scales)) + (scalar,)
+  call = _row_call(functools.partial(_exp_kernel, scales=tuple(scales), block=block,
+                                     write=dtype is not None), out_shape, "topk_kl_exp_pass")
+  out = jax.vmap(call)(logits_CxV.astype(jnp.float32), hint_C.astype(jnp.float32))
+  e_CxV = out[0] if dtype is not None else None
+  return e_CxV, tuple(out[int(dtype is not None):-1]), out[-1]
 
 
 def _dense_kernel(z_ref, *refs, scales, block):
@@ -128,4 +141,4 @@ def dense_grad(logits_CxV, lse_s_C, lse_z_C, a_C, b_C, spec, dtype):
   return jax.vmap(call)(logits_CxV, *(x.astype(jnp.float32) for x in args))
 
 
-topk_kl_loss = xla.build_fused_loss(row_stats, dense_grad)
+topk_kl_loss = xla.build_fused_loss(exp_pass, dense_grad)

@@ -36,7 +36,9 @@ def _normalisers(hidden_NxD, lm_head_DxV, spec, chunk):
   def body(lse, i):
     start = jnp.minimum(i * chunk, num_rows - chunk)
     h_CxD = jax.lax.dynamic_slice_in_dim(hidden_NxD, start, chunk)
-    lse_s_C, lse_z_C = xla.xla_row_stats(_logits(h_CxD, lm_head_DxV), spec)
+    _, sums, shift_C = xla.xla_exp_pass(_logits(h_CxD, lm_head_DxV), None,
+                                        xla.softmax_scales(spec), None)
+    lse_s_C, lse_z_C = xla.normalisers(sums, shift_C, spec)
     put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=0)
     return (put(lse[0], lse_s_C), put(lse[1], lse_z_C)), None
 
@@ -62,21 +64,22 @@ def _sums(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, lse, spec, 
   return _scan_chunks(body, (zero, zero), num_rows, chunk)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def topk_kl_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def topk_kl_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
+                 dw_dtype):
   lse = _normalisers(hidden_NxD, lm_head_DxV, spec, chunk)
   kl, ce = _sums(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, lse, spec, chunk)
   return kl + spec.ce_weight * ce, kl, ce
 
 
-def _fwd(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk):
+def _fwd(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype):
   lse = _normalisers(hidden_NxD, lm_head_DxV, spec, chunk)
   kl, ce = _sums(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, lse, spec, chunk)
   residuals = (hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, lse)
   return (kl + spec.ce_weight * ce, kl, ce), residuals
 
 
-def _bwd(spec, chunk, residuals, cotangents):
+def _bwd(spec, chunk, dw_dtype, residuals, cotangents):
   hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, lse = residuals
   num_rows = hidden_NxD.shape[0]
   dtype = jnp.promote_types(hidden_NxD.dtype, lm_head_DxV.dtype)
@@ -93,8 +96,8 @@ def _bwd(spec, chunk, residuals, cotangents):
     zk_CxK, zl_C = xla._gather_rows(logits_CxV, ids_CxK, labels_C)
     terms = objectives.row_terms(zk_CxK, zl_C, lse_s_C, lse_z_C, take(logp_NxK, start), spec)
     w_C = jnp.where(fresh_C, take(g_w_N, start), 0.0)
-    dz_CxV = xla.chunk_dlogits(logits_CxV, (zk_CxK, zl_C, lse_s_C, lse_z_C), terms, ids_CxK,
-                               labels_C, w_C, spec, dtype, xla.xla_dense_grad)
+    dz_CxV, _ = xla.chunk_dlogits(logits_CxV, None, None, (zk_CxK, zl_C, lse_s_C, lse_z_C),
+                                  terms, ids_CxK, labels_C, w_C, spec, dtype, xla.xla_dense_grad)
     dh_CxD = jnp.einsum("cv,dv->cd", dz_CxV, lm_head_DxV.astype(dtype),
                         preferred_element_type=jnp.float32).astype(dh_NxD.dtype)
     dh_CxD = jnp.where(fresh_C[:, None], dh_CxD, take(dh_NxD, start))
@@ -103,8 +106,10 @@ def _bwd(spec, chunk, residuals, cotangents):
     return (dh_NxD, dw_DxV), None
 
   dh_NxD, dw_DxV = _scan_chunks(
-      body, (jnp.zeros_like(hidden_NxD), jnp.zeros_like(lm_head_DxV)), num_rows, chunk)
-  return dh_NxD, dw_DxV, None, None, None, None
+      body, (jnp.zeros_like(hidden_NxD), jnp.zeros(lm_head_DxV.shape,
+                                                   dw_dtype or lm_head_DxV.dtype)),
+      num_rows, chunk)
+  return dh_NxD, dw_DxV.astype(lm_head_DxV.dtype), None, None, None, None
 
 
 topk_kl_loss.defvjp(_fwd, _bwd)

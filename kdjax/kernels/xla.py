@@ -1,16 +1,26 @@
 """Chunked fused loss in plain XLA: a scan over position chunks, gradients computed in forward.
 
-Per chunk of C positions: logits z = h_c W ([C, V] float32, the only [C, V] arrays alive are z
-and its gradient dz in the matmul dtype), the row statistics, dz, then dh_c = dz W^T and
-dW += h_c^T dz. That is three [C, D] x [D, V]-sized matmuls per chunk, the work floor; a
-custom_vjp hands the precomputed gradients to the backward pass, which only scales them by the
-incoming cotangent. Without differentiation only the forward projection runs.
+Per chunk of C positions: logits z = h_c W ([C, V] float32), then ONE pass over z (`exp_pass`)
+that returns the row sums of exp(z / tau - shift) and writes E = exp(z / tau - shift) rounded to
+the matmul dtype, for a per-row shift fixed before the pass. The dense part of dL/dz is then
+a * softmax(z / tau) = (a / sum) * E: a per-row scale r, which the gradient matmuls absorb for
+free, dh_c = r * (E W^T) and dW += (r * h_c)^T E, so no second pass over z is needed to
+normalise. The K (+1) exact entries at the top-k ids and label are scattered into E divided by
+r. Three [C, D] x [D, V]-sized matmuls per chunk, the work floor; a custom_vjp hands the
+precomputed gradients to the backward pass, which only scales them by the incoming cotangent.
+Without differentiation only the forward projection and the sums run.
+
+The shift is the largest student logit among the chunk's top-k ids and label, known before the
+pass (it is gathered from z). An exp_pass must shift a row by its own maximum instead when the
+row's maximum exceeds the given shift by more than SHIFT_LIMIT (in units of z / tau), which
+keeps E <= e^SHIFT_LIMIT and the sums within [1, V e^SHIFT_LIMIT]. CE at tau != 1 needs two
+softmaxes in dL/dz: there the pass only sums and a second pass (`dense_grad`) writes dL/dz.
 
 Chunks never pad the big arrays: chunk i starts at min(i * C, N - C), so the last chunk overlaps
 the previous one and its already-counted rows get weight 0 (and keep their dh). The same driver
-serves impl="pallas", which swaps in kernels for the two elementwise passes over z.
+serves impl="pallas", which swaps in kernels for the passes over z.
 
-Shape letters: N positions, C chunk, D model width, V vocabulary, K cached entries.
+Shape letters: N positions, C chunk, D model width, V vocabulary, K cached entries, E entries.
 """
 import functools
 from typing import Callable
@@ -20,13 +30,20 @@ import jax.numpy as jnp
 
 from kdjax.kernels import objectives
 
-# Per chunk the working set is the [C, V] float32 logits plus their bf16 gradient, 6 * C * V
+# Per chunk the working set is the [C, V] float32 logits plus E in the matmul dtype, 6 * C * V
 # bytes. It gets at least MIN_WORKING_SET_BYTES, or a fifth of the memory the loss cannot avoid
 # (hidden, lm_head and their gradients) when that is more: longer sequences get larger chunks,
 # which cost proportionally less dW read-modify-write traffic (dW += h_c^T dz per chunk).
 MIN_WORKING_SET_BYTES = 768 * 2**20
 WORKING_SET_SHARE = 0.2
 MAX_CHUNK = 8192
+
+# See the module docstring: the most a row's maximum may exceed its shift, in units of z / tau.
+SHIFT_LIMIT = 16.0
+
+# A dense coefficient smaller than this fraction of the row's largest exact entry is raised to
+# it (same sign), so 1 / r stays finite; the dense part then errs by < 1e-6 of the row's scale.
+COEF_FLOOR = 1e-6
 
 
 def default_chunk(num_rows: int, dim: int, vocab: int, itemsize: int) -> int:
@@ -37,10 +54,34 @@ def default_chunk(num_rows: int, dim: int, vocab: int, itemsize: int) -> int:
   return max(1, min(max(chunk, 128), MAX_CHUNK, num_rows))
 
 
-def xla_row_stats(logits_CxV, spec: objectives.LossSpec):
-  """(logsumexp(z / tau), logsumexp(z)) per row, float32."""
-  lse_s_C = jax.nn.logsumexp(logits_CxV / spec.temperature, axis=-1)
-  lse_z_C = jax.nn.logsumexp(logits_CxV, axis=-1) if spec.two_softmax else lse_s_C
+def softmax_scales(spec: objectives.LossSpec) -> tuple:
+  """Multipliers of z whose softmax normalisers the loss needs: 1 / tau, and 1 for CE at tau != 1."""
+  return (1.0 / spec.temperature, 1.0) if spec.two_softmax else (1.0 / spec.temperature,)
+
+
+def writes_dense(spec: objectives.LossSpec) -> bool:
+  """Whether dL/dz's dense part is one softmax, so exp_pass can write it (see module doc)."""
+  return not (spec.two_softmax and spec.ce_weight != 0.0)
+
+
+def xla_exp_pass(logits_CxV, hint_C, scales, dtype):
+  """exp_pass in plain XLA, shifting every row by its exact maximum (z is read twice).
+
+  Returns (E [C, V] in dtype or None if dtype is None, sums per scale [C], shift [C]):
+  sums[j] = sum_V exp((z - shift) * scales[j]), E = exp((z - shift) * scales[0]).
+  """
+  del hint_C
+  shift_C = jnp.max(logits_CxV, axis=-1)
+  x_CxV = logits_CxV - shift_C[:, None]
+  sums = tuple(jnp.sum(jnp.exp(x_CxV * s), axis=-1) for s in scales)
+  e_CxV = None if dtype is None else jnp.exp(x_CxV * scales[0]).astype(dtype)
+  return e_CxV, sums, shift_C
+
+
+def normalisers(sums, shift_C, spec):
+  """(logsumexp(z / tau), logsumexp(z)) from an exp_pass's sums and shift."""
+  lse_s_C = shift_C / spec.temperature + jnp.log(sums[0])
+  lse_z_C = shift_C + jnp.log(sums[1]) if spec.two_softmax else lse_s_C
   return lse_s_C, lse_z_C
 
 
@@ -66,95 +107,136 @@ def _gather_rows(logits_CxV, ids_CxK, labels_C):
   return zk_CxK, zl_C
 
 
-def chunk_terms(hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, row_stats):
-  """Logits of one chunk and everything the loss needs from them."""
+def chunk_terms(hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, exp_pass, dtype):
+  """Logits of one chunk, one exp_pass over them, and the loss terms.
+
+  dtype: the matmul dtype if E is wanted (gradients with a one-softmax dense part), else None.
+  Returns (logits, E or None, sums, gathered (zk, zl, lse_s, lse_z), terms).
+  """
   logits_CxV = jnp.einsum("cd,dv->cv", hidden_CxD, lm_head_DxV,
                           preferred_element_type=jnp.float32)
-  lse_s_C, lse_z_C = row_stats(logits_CxV, spec)
   zk_CxK, zl_C = _gather_rows(logits_CxV, ids_CxK, labels_C)
+  hint_C = jnp.max(zk_CxK, axis=-1)
+  if spec.has_labels:
+    hint_C = jnp.maximum(hint_C, zl_C)
+  e_CxV, sums, shift_C = exp_pass(logits_CxV, hint_C, softmax_scales(spec), dtype)
+  lse_s_C, lse_z_C = normalisers(sums, shift_C, spec)
   terms = objectives.row_terms(zk_CxK, zl_C, lse_s_C, lse_z_C, logp_CxK, spec)
-  return logits_CxV, (zk_CxK, zl_C, lse_s_C, lse_z_C), terms
+  return logits_CxV, e_CxV, sums, (zk_CxK, zl_C, lse_s_C, lse_z_C), terms
 
 
-def chunk_dlogits(logits_CxV, gathered, terms, ids_CxK, labels_C, w_C, spec, dtype, dense_grad):
-  """dL/dz of one chunk in dtype: dense pass plus K (+1) exact entries per row."""
+def row_scale(coef_C, sum_C, vals_CxE):
+  """r = coef / sum (see module doc), with coef kept away from 0 by COEF_FLOOR; 0 on rows whose
+  coefficient and exact entries are all 0 (masked rows)."""
+  floor_C = COEF_FLOOR * jnp.max(jnp.abs(vals_CxE), axis=-1)
+  coef_C = jnp.where(jnp.abs(coef_C) < floor_C, jnp.where(coef_C < 0, -floor_C, floor_C), coef_C)
+  return coef_C / sum_C
+
+
+def scatter_entries(dense_CxV, scale_C, gathered, terms, ids_CxK, labels_C, w_C, spec, dtype):
+  """dL/dz / scale in dtype: the dense part (already divided by scale) with the K (+1) exact
+  entries at the top-k ids and label set over it."""
   zk_CxK, zl_C, lse_s_C, lse_z_C = gathered
-  dz_CxV = dense_grad(logits_CxV, lse_s_C, lse_z_C, terms["a"] * w_C, terms["b"] * w_C, spec,
-                      dtype)
   ent_ids_CxE, ent_vals_CxE = objectives.sparse_entries(
       ids_CxK, labels_C, zk_CxK, zl_C, lse_s_C, lse_z_C, terms, w_C, spec)
+  safe_C = jnp.where(scale_C == 0, 1.0, scale_C)
+  ent_vals_CxE = jnp.where(scale_C[:, None] == 0, 0.0, ent_vals_CxE / safe_C[:, None])
   rows_CxE = jnp.broadcast_to(jnp.arange(ids_CxK.shape[0])[:, None], ent_ids_CxE.shape)
-  return dz_CxV.at[rows_CxE, ent_ids_CxE].set(ent_vals_CxE.astype(dtype))
+  return dense_CxV.at[rows_CxE, ent_ids_CxE].set(ent_vals_CxE.astype(dtype))
+
+
+def chunk_dlogits(logits_CxV, e_CxV, sums, gathered, terms, ids_CxK, labels_C, w_C, spec, dtype,
+                  dense_grad):
+  """(dL/dz / r in dtype, r [C]) for one chunk: dL/dz = r * the returned matrix, row by row."""
+  a_C, b_C = terms["a"] * w_C, terms["b"] * w_C
+  if e_CxV is None:  # two softmaxes: a second pass writes dL/dz itself
+    zk_CxK, zl_C, lse_s_C, lse_z_C = gathered
+    dense_CxV = dense_grad(logits_CxV, lse_s_C, lse_z_C, a_C, b_C, spec, dtype)
+    scale_C = jnp.ones_like(a_C)
+  else:
+    _, ent_vals_CxE = objectives.sparse_entries(ids_CxK, labels_C, *gathered, terms, w_C, spec)
+    dense_CxV, scale_C = e_CxV, row_scale(a_C + b_C, sums[0], ent_vals_CxE)
+  return scatter_entries(dense_CxV, scale_C, gathered, terms, ids_CxK, labels_C, w_C, spec,
+                         dtype), scale_C
 
 
 def accumulate_dw(dw_DxV, hidden_CxD, dz_CxV):
-  """dW += h^T dz in lm_head's dtype: XLA folds the add into the matmul (cuBLAS beta = 1, in
-  place), which accumulates in float32 and rounds the sum once per chunk."""
+  """dW += h^T dz in dW's dtype: XLA folds the add into the matmul (cuBLAS beta = 1, in place),
+  which accumulates in float32 and rounds the sum once per chunk if dW is bf16."""
   return dw_DxV + jnp.einsum("cd,cv->dv", hidden_CxD, dz_CxV,
                              preferred_element_type=dw_DxV.dtype)
 
 
 def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
-                 row_stats, dense_grad, with_grads):
-  """Scan over chunks. Returns (kl_sum, ce_sum) weighted by w, plus (dh, dW) if with_grads."""
+                 dw_dtype, exp_pass, dense_grad, with_grads):
+  """Scan over chunks. Returns (kl_sum, ce_sum) weighted by w, plus (dh, dW) if with_grads;
+  dW in dw_dtype."""
   num_rows, _ = hidden_NxD.shape
   dtype = jnp.promote_types(hidden_NxD.dtype, lm_head_DxV.dtype)
   take = lambda x, start: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=0)
+  e_dtype = dtype if with_grads and writes_dense(spec) else None
 
   def body(carry, i):
     start, fresh_C = _chunk_start(i, num_rows, chunk)
     h_CxD = take(hidden_NxD, start)
     ids_CxK, labels_C = take(ids_NxK, start), take(labels_N, start)
     w_C = jnp.where(fresh_C, take(w_N, start), 0.0)
-    logits_CxV, gathered, terms = chunk_terms(
-        h_CxD, lm_head_DxV, ids_CxK, take(logp_NxK, start), labels_C, spec, row_stats)
+    logits_CxV, e_CxV, sums, gathered, terms = chunk_terms(
+        h_CxD, lm_head_DxV, ids_CxK, take(logp_NxK, start), labels_C, spec, exp_pass, e_dtype)
     kl, ce = jnp.sum(w_C * terms["kl"]), jnp.sum(w_C * terms["ce"])
     if not with_grads:
       return (carry[0] + kl, carry[1] + ce), None
     kl_sum, ce_sum, dh_NxD, dw_DxV = carry
-    dz_CxV = chunk_dlogits(logits_CxV, gathered, terms, ids_CxK, labels_C, w_C, spec,
-                           dtype, dense_grad)
-    dh_CxD = jnp.einsum("cv,dv->cd", dz_CxV, lm_head_DxV.astype(dtype),
-                        preferred_element_type=jnp.float32).astype(dh_NxD.dtype)
-    dh_CxD = jnp.where(fresh_C[:, None], dh_CxD, take(dh_NxD, start))
+    dz_CxV, scale_C = chunk_dlogits(logits_CxV, e_CxV, sums, gathered, terms, ids_CxK, labels_C,
+                                    w_C, spec, dtype, dense_grad)
+    dh_CxD = scale_C[:, None] * jnp.einsum("cv,dv->cd", dz_CxV, lm_head_DxV.astype(dtype),
+                                           preferred_element_type=jnp.float32)
+    dh_CxD = jnp.where(fresh_C[:, None], dh_CxD.astype(dh_NxD.dtype), take(dh_NxD, start))
     dh_NxD = jax.lax.dynamic_update_slice_in_dim(dh_NxD, dh_CxD, start, axis=0)
-    dw_DxV = accumulate_dw(dw_DxV, h_CxD.astype(dtype), dz_CxV)
+    scaled_h_CxD = (scale_C[:, None] * h_CxD.astype(jnp.float32)).astype(dtype)
+    dw_DxV = accumulate_dw(dw_DxV, scaled_h_CxD, dz_CxV)
     return (kl_sum + kl, ce_sum + ce, dh_NxD, dw_DxV), None
 
   zero = jnp.zeros((), jnp.float32)
   carry = (zero, zero)
   if with_grads:
-    carry += (jnp.zeros_like(hidden_NxD), jnp.zeros_like(lm_head_DxV))
+    carry += (jnp.zeros_like(hidden_NxD), jnp.zeros(lm_head_DxV.shape, dw_dtype))
   carry, _ = jax.lax.scan(body, carry, jnp.arange(-(-num_rows // chunk)))
   return carry
 
 
-def build_fused_loss(row_stats: Callable, dense_grad: Callable):
-  """custom_vjp loss (h, W, ids, logp, w, labels, spec, chunk) -> (loss, kl, ce)."""
+def build_fused_loss(exp_pass: Callable, dense_grad: Callable):
+  """custom_vjp loss (h, W, ids, logp, w, labels, spec, chunk, dw_dtype) -> (loss, kl, ce).
 
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-  def loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk):
+  dw_dtype: the dtype dW is accumulated in across chunks (None: lm_head's); returned in
+  lm_head's dtype.
+  """
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+  def loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype):
     kl, ce = chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec,
-                          chunk, row_stats, dense_grad, with_grads=False)
+                          chunk, dw_dtype, exp_pass, dense_grad, with_grads=False)
     return kl + spec.ce_weight * ce, kl, ce
 
-  def fwd(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk):
-    kl, ce, dh_NxD, dw_DxV = chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N,
-                                          labels_N, spec, chunk, row_stats, dense_grad,
-                                          with_grads=True)
-    return (kl + spec.ce_weight * ce, kl, ce), (dh_NxD, dw_DxV)
+  def fwd(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype):
+    kl, ce, dh_NxD, dw_DxV = chunked_loss(
+        hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
+        dw_dtype or lm_head_DxV.dtype, exp_pass, dense_grad, with_grads=True)
+    # An empty array carries lm_head's dtype to bwd (residuals must be arrays).
+    dtype_tag = jnp.zeros((0,), lm_head_DxV.dtype)
+    return (kl + spec.ce_weight * ce, kl, ce), (dh_NxD, dw_DxV, dtype_tag)
 
-  def bwd(spec, chunk, residuals, cotangents):
-    dh_NxD, dw_DxV = residuals
+  def bwd(spec, chunk, dw_dtype, residuals, cotangents):
+    dh_NxD, dw_DxV, dtype_tag = residuals
     g = cotangents[0]  # kl and ce are logged values: their cotangents are ignored
-    scale = lambda x: (x.astype(jnp.float32) * g).astype(x.dtype)
-    return scale(dh_NxD), scale(dw_DxV), None, None, None, None
+    scale = lambda x, dtype: (x.astype(jnp.float32) * g).astype(dtype)
+    return scale(dh_NxD, dh_NxD.dtype), scale(dw_DxV, dtype_tag.dtype), None, None, None, None
 
   loss.defvjp(fwd, bwd)
   return loss
 
 
-topk_kl_loss = build_fused_loss(xla_row_stats, xla_dense_grad)
+topk_kl_loss = build_fused_loss(xla_exp_pass, xla_dense_grad)
 
 
 def position_stats(hidden_NxD, lm_head_DxV, ids_NxK, labels_N, chunk):
