@@ -6,9 +6,10 @@
     python experiments/loss_bench.py dwcheck A:32768,A:1048576   # bf16 vs f32 dW accumulation
     python experiments/loss_bench.py plot DIR/results.jsonl
 
-A config is SHAPE:TOKENS:IMPL[:CHUNK]; IMPL may carry options after "+": "f32dw" accumulates
-dlm_head in float32 (dw_dtype), "noat" compiles with XLA's gemm autotuning off
-(--xla_gpu_autotune_level=0: cuBLAS's heuristic algorithm, no autotuning buffers).
+A config is SHAPE:TOKENS:IMPL[:CHUNK]; IMPL may carry options after "+" (XLA_FLAGS in OPTIONS):
+"f32dw" accumulates dlm_head in float32 (dw_dtype); "notriton": every matmul by cuBLAS;
+"noat": that and no gemm autotuning (cuBLAS's heuristic choice, no autotuning buffers);
+"atcache": autotuning results cached on disk (a second process with it compiles without them).
 
 Shapes: A = D 4096, V 131072; B = D 2880, V 201088. bf16 inputs, K = 100, sparse objective,
 about 10% of positions masked out. impl "liger" is Liger-Kernel's fused linear cross-entropy on
@@ -30,6 +31,13 @@ SHAPES = {"A": (4096, 131072), "B": (2880, 201088), "S": (64, 1003)}  # S: CPU s
 K = 100
 WARMUP, REPEATS = 2, 5
 FLOOR_MAX_T = 32768
+
+OPTIONS = {
+    "f32dw": "",
+    "notriton": "--xla_gpu_enable_triton_gemm=false",
+    "noat": "--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0",
+    "atcache": "--xla_gpu_per_fusion_autotune_cache_dir=/tmp/kdjax_bench_autotune",
+}
 
 QUICK = [f"{s}:{t}:{i}" for s, t, i in [
     ("A", 32768, "floor"), ("A", 32768, "liger"), ("A", 32768, "pallas"), ("A", 32768, "xla"),
@@ -150,6 +158,7 @@ def memory(spec, out_dir):
   from kdjax import kernels
   _apply_overrides()
   shape, tokens, impl, *rest = spec.split(":")
+  impl = impl.split("+")[0]
   hidden, lm_head, ids, logp, mask, labels = jax_inputs(shape, int(tokens))
   step = jax.jit(jax.value_and_grad(
       lambda h, w: kernels.topk_kl_loss(h, w, ids, logp, mask, impl=impl,
@@ -173,12 +182,11 @@ def one(spec, chunk):
   tokens = int(tokens)
   chunk = int(rest[0]) if rest else chunk
   impl, *options = impl.split("+")
-  unknown = set(options) - {"f32dw", "noat"}
+  unknown = set(options) - set(OPTIONS)
   if unknown:
     raise SystemExit(f"unknown options {unknown} in {spec}")
-  if "noat" in options:  # before jax is imported
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_gpu_autotune_level=0").strip()
+  flags = [os.environ.get("XLA_FLAGS", "")] + [OPTIONS[o] for o in options]
+  os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)  # before jax is imported
   try:
     if impl == "liger":
       res = run_liger(shape, tokens)
