@@ -315,6 +315,39 @@ def dwcheck(specs):
     del grads
 
 
+def profile(spec, out_dir, steps=3):
+  """Device time per kernel name (ms per step) of one config, from a jax.profiler trace."""
+  import glob
+  import jax
+  from kdjax import kernels
+  shape, tokens, impl, *rest = spec.split(":")
+  inputs = jax_inputs(shape, int(tokens))[:5]
+  step = jax.jit(jax.value_and_grad(
+      lambda h, w, ids, logp, mask: kernels.topk_kl_loss(
+          h, w, ids, logp, mask, impl=impl, chunk_size=int(rest[0]) if rest else None),
+      argnums=(0, 1)))
+  jax.block_until_ready(step(*inputs))
+  trace_dir = os.path.join(out_dir, "trace")
+  with jax.profiler.trace(trace_dir):
+    for _ in range(steps):
+      jax.block_until_ready(step(*inputs))
+  path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
+  totals, counts = {}, {}
+  for plane in jax.profiler.ProfileData.from_file(path).planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    print(f"PROFILE lines of {plane.name}: {[line.name for line in plane.lines]}")
+    for line in plane.lines:
+      if "stream" not in line.name.lower():
+        continue
+      for ev in line.events:
+        totals[ev.name] = totals.get(ev.name, 0.0) + ev.duration_ns / 1e6 / steps
+        counts[ev.name] = counts.get(ev.name, 0) + 1
+  print(f"PROFILE {spec}: {sum(totals.values()):.1f} ms of kernels per step")
+  for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:15]:
+    print(f"PROFILE {ms:9.2f} ms  x{counts[name] // steps:<5} {name[:110]}")
+
+
 def plot(path, png):
   """Time and peak memory against tokens, one column per shape, one line per impl."""
   import matplotlib
@@ -358,7 +391,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("mode", choices=["sweep", "one", "check", "dwcheck", "plot", "table",
-                                       "memory"])
+                                       "memory", "profile"])
   parser.add_argument("arg", nargs="?",
                       help="one: SHAPE:TOKENS:IMPL[:CHUNK]; check: shapes (AB); plot/table: file")
   parser.add_argument("--configs", default="", help="comma-separated SHAPE:TOKENS:IMPL list")
@@ -371,6 +404,8 @@ def main():
     one(args.arg, args.chunk)
   elif args.mode == "memory":
     memory(args.arg, args.out)
+  elif args.mode == "profile":
+    profile(args.arg, args.out)
   elif args.mode == "check":
     check(args.arg or "AB")
   elif args.mode == "dwcheck":
