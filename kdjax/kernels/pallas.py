@@ -62,19 +62,17 @@ def _cols(i, vocab, block):
   return cols, cols < vocab
 
 
-def _exp_kernel(z_ref, src_ref, hint_ref, *refs, scales, block, vocab, write):
-  # z_ref: the sub-chunk's logits, flattened [S * V]; src: this row's row in them (< 0: idle).
-  # refs: E row in (if write, aliased with E row out), then the outputs: E row (if write), one
-  # sum per scale, the shift used.
-  outs = refs[1:] if write else refs
-  e_ref = outs[0] if write else None
-  sum_refs, shift_ref = outs[int(write):-1], outs[-1]
+def _exp_kernel(z_ref, hint_ref, *refs, scales, block, write):
+  # refs: E row (if write), one sum per scale, the shift used.
+  e_ref = refs[0] if write else None
+  sum_refs, shift_ref = refs[int(write):-1], refs[-1]
+  vocab = z_ref.shape[0]
 
-  def sweep(base, shift):
+  def sweep(shift):
     """One read of the row: max(z) and sum exp((z - shift) * scale); writes E."""
     def body(i, carry):
       cols, valid = _cols(i, vocab, block)
-      z = pltriton.load(z_ref.at[base + cols], mask=valid, other=-jnp.inf)
+      z = pltriton.load(z_ref.at[cols], mask=valid, other=-jnp.inf)
       es = [jnp.exp((z - shift) * scale) for scale in scales]
       if write:
         pltriton.store(e_ref.at[cols], es[0].astype(e_ref.dtype), mask=valid)
@@ -90,51 +88,28 @@ def _exp_kernel(z_ref, src_ref, hint_ref, *refs, scales, block, vocab, write):
     for ref, s in zip(sum_refs, sums):
       ref[...] = s
 
-  src = src_ref[...]
+  hint = hint_ref[...]
+  top, sums = sweep(hint)
+  finish(hint, sums)
 
-  @pl.when(src >= 0)
-  def _():
-    base = src * vocab
-    hint = hint_ref[...]
-    top, sums = sweep(base, hint)
-    finish(hint, sums)
-
-    @pl.when((top - hint) * max(scales) > xla.SHIFT_LIMIT)
-    def _():  # rare: the row's maximum is far above every top-k logit; shift by the maximum
-      finish(top, sweep(base, top)[1])
+  @pl.when((top - hint) * max(scales) > xla.SHIFT_LIMIT)
+  def _():  # rare: the row's maximum is far above every top-k logit; shift by the maximum
+    finish(top, sweep(top)[1])
 
 
-def exp_pass(logits_SxV, hint_S, scales, out_CxV, offset):
-  """kdjax.kernels.xla's exp_pass contract: one read of z per row (two for rows beyond
-  xla.SHIFT_LIMIT), E written in place into out's rows [offset, offset + S).
-
-  With out, one program per row of out; those outside the sub-chunk return at once.
-  """
-  rows, vocab = logits_SxV.shape
-  if rows * vocab >= 2**31:
-    raise ValueError(f"sub-chunk of {rows} x {vocab} logits is too large for int32 indexing")
+def exp_pass(logits_CxV, hint_C, scales, dtype):
+  """(E = exp((z - shift) * scales[0]) in dtype or None, sums per scale, shift): see
+  kdjax.kernels.xla. One read of z per row, two for rows beyond xla.SHIFT_LIMIT."""
+  rows, vocab = logits_CxV.shape
   block = min(BLOCK, pl.next_power_of_2(vocab))
-  write = out_CxV is not None
-  num = out_CxV.shape[0] if write else rows
-  src = jnp.arange(num, dtype=jnp.int32) - (offset if write else 0)
-  src = jnp.where(src < rows, src, -1)
-  hint = jnp.zeros((num,), jnp.float32)
-  hint = jax.lax.dynamic_update_slice_in_dim(hint, hint_S.astype(jnp.float32),
-                                             offset if write else 0, axis=0)
   scalar = jax.ShapeDtypeStruct((), jnp.float32)
-  out_shape = ((jax.ShapeDtypeStruct((vocab,), out_CxV.dtype),) if write else ()) + (
+  out_shape = ((jax.ShapeDtypeStruct((vocab,), dtype),) if dtype is not None else ()) + (
       (scalar,) * len(scales)) + (scalar,)
-  call = pl.pallas_call(
-      functools.partial(_exp_kernel, scales=tuple(scales), block=block, vocab=vocab,
-                        write=write),
-      out_shape=out_shape, grid=(), interpret=_interpret(), name="topk_kl_exp_pass",
-      input_output_aliases={3: 0} if write else {},
-      compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=2))
-  args = (logits_SxV.astype(jnp.float32).reshape(-1), src, hint) + ((out_CxV,) if write else ())
-  out = jax.vmap(call, in_axes=(None,) + (0,) * (len(args) - 1))(*args)
-  sums = tuple(x[offset:offset + rows] if write else x for x in out[int(write):-1])
-  shift = out[-1][offset:offset + rows] if write else out[-1]
-  return (out[0] if write else None), sums, shift
+  call = _row_call(functools.partial(_exp_kernel, scales=tuple(scales), block=block,
+                                     write=dtype is not None), out_shape, "topk_kl_exp_pass")
+  out = jax.vmap(call)(logits_CxV.astype(jnp.float32), hint_C.astype(jnp.float32))
+  e_CxV = out[0] if dtype is not None else None
+  return e_CxV, tuple(out[int(dtype is not None):-1]), out[-1]
 
 
 def _dense_kernel(z_ref, *refs, scales, block):

@@ -37,7 +37,7 @@ def _normalisers(hidden_NxD, lm_head_DxV, spec, chunk):
     start = jnp.minimum(i * chunk, num_rows - chunk)
     h_CxD = jax.lax.dynamic_slice_in_dim(hidden_NxD, start, chunk)
     _, sums, shift_C = xla.xla_exp_pass(_logits(h_CxD, lm_head_DxV), None,
-                                        xla.softmax_scales(spec), None, 0)
+                                        xla.softmax_scales(spec), None)
     lse_s_C, lse_z_C = xla.normalisers(sums, shift_C, spec)
     put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=0)
     return (put(lse[0], lse_s_C), put(lse[1], lse_z_C)), None
@@ -96,11 +96,8 @@ def _bwd(spec, chunk, dw_dtype, residuals, cotangents):
     zk_CxK, zl_C = xla._gather_rows(logits_CxV, ids_CxK, labels_C)
     terms = objectives.row_terms(zk_CxK, zl_C, lse_s_C, lse_z_C, take(logp_NxK, start), spec)
     w_C = jnp.where(fresh_C, take(g_w_N, start), 0.0)
-    dense_CxV = xla.xla_dense_grad(logits_CxV, lse_s_C, lse_z_C, terms["a"] * w_C,
-                                   terms["b"] * w_C, spec, dtype)
-    dz_CxV = xla.scatter_entries(dense_CxV, 0, jnp.ones_like(w_C),
-                                 (zk_CxK, zl_C, lse_s_C, lse_z_C), terms, ids_CxK, labels_C, w_C,
-                                 spec)
+    dz_CxV, _ = xla.chunk_dlogits(logits_CxV, None, None, (zk_CxK, zl_C, lse_s_C, lse_z_C),
+                                  terms, ids_CxK, labels_C, w_C, spec, dtype, xla.xla_dense_grad)
     dh_CxD = jnp.einsum("cv,dv->cd", dz_CxV, lm_head_DxV.astype(dtype),
                         preferred_element_type=jnp.float32).astype(dh_NxD.dtype)
     dh_CxD = jnp.where(fresh_C[:, None], dh_CxD, take(dh_NxD, start))

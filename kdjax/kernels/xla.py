@@ -30,17 +30,13 @@ import jax.numpy as jnp
 
 from kdjax.kernels import objectives
 
-# Per chunk of C positions the working set is E [C, V] in the matmul dtype plus the float32
-# logits of one sub-chunk of S rows, 2 * C * V + 4 * S * V bytes. Larger chunks mean fewer
-# read-modify-writes of dW (dW += h_c^T dz per chunk, the main cost besides the matmuls), so
-# the working set gets at least MIN_WORKING_SET_BYTES, or WORKING_SET_SHARE of the memory the
-# loss cannot avoid (hidden, lm_head and their gradients) when that is more.
-MIN_WORKING_SET_BYTES = 896 * 2**20
+# Per chunk the working set is the [C, V] float32 logits plus E in the matmul dtype, 6 * C * V
+# bytes. It gets at least MIN_WORKING_SET_BYTES, or a fifth of the memory the loss cannot avoid
+# (hidden, lm_head and their gradients) when that is more: longer sequences get larger chunks,
+# which cost proportionally less dW read-modify-write traffic (dW += h_c^T dz per chunk).
+MIN_WORKING_SET_BYTES = 768 * 2**20
 WORKING_SET_SHARE = 0.2
 MAX_CHUNK = 8192
-# Sub-chunk rows: large enough for the logits matmul to stay compute-bound.
-MAX_SUB_ROWS = 512
-MIN_SUB_ROWS = 128
 
 # See the module docstring: the most a row's maximum may exceed its shift, in units of z / tau.
 SHIFT_LIMIT = 16.0
@@ -50,32 +46,12 @@ SHIFT_LIMIT = 16.0
 COEF_FLOOR = 1e-6
 
 
-def default_sub_rows(vocab: int) -> int:
-  """S: a power of two in [MIN_SUB_ROWS, MAX_SUB_ROWS], logits [S, V] at most a quarter of the
-  minimum working set."""
-  sub = MAX_SUB_ROWS
-  while sub > MIN_SUB_ROWS and 4 * sub * vocab > MIN_WORKING_SET_BYTES // 4:
-    sub //= 2
-  return sub
-
-
 def default_chunk(num_rows: int, dim: int, vocab: int, itemsize: int) -> int:
-  """Chunk size C: a multiple of the sub-chunk rows S (see default_sub_rows), at most N."""
+  """Chunk size C: a multiple of 128 (matmul tiles), at least 128, at most N."""
   unavoidable = 2 * itemsize * (num_rows * dim + dim * vocab)
   budget = max(MIN_WORKING_SET_BYTES, WORKING_SET_SHARE * unavoidable)
-  sub = default_sub_rows(vocab)
-  chunk = int((budget - 4 * sub * vocab) // (itemsize * vocab)) // sub * sub
-  return max(1, min(max(chunk, sub), MAX_CHUNK, num_rows))
-
-
-def sub_rows(chunk: int, vocab: int) -> int:
-  """Rows per sub-chunk for a chunk of C rows: C / n for the smallest n with C / n <=
-  default_sub_rows(V) that divides C (C itself, one sub-chunk, if none of the next few does)."""
-  first = -(-chunk // default_sub_rows(vocab))
-  for n in range(first, 4 * first + 1):
-    if chunk % n == 0:
-      return chunk // n
-  return chunk
+  chunk = int(budget // (6 * vocab)) // 128 * 128
+  return max(1, min(max(chunk, 128), MAX_CHUNK, num_rows))
 
 
 def softmax_scales(spec: objectives.LossSpec) -> tuple:
@@ -88,21 +64,18 @@ def writes_dense(spec: objectives.LossSpec) -> bool:
   return not (spec.two_softmax and spec.ce_weight != 0.0)
 
 
-def xla_exp_pass(logits_SxV, hint_S, scales, out_CxV, offset):
+def xla_exp_pass(logits_CxV, hint_C, scales, dtype):
   """exp_pass in plain XLA, shifting every row by its exact maximum (z is read twice).
 
-  Returns (out or None, sums per scale [S], shift [S]) with sums[j] = sum_V exp((z - shift) *
-  scales[j]); if out_CxV is given, E = exp((z - shift) * scales[0]) in out's dtype is written
-  into its rows [offset, offset + S) (in place) and out is returned.
+  Returns (E [C, V] in dtype or None if dtype is None, sums per scale [C], shift [C]):
+  sums[j] = sum_V exp((z - shift) * scales[j]), E = exp((z - shift) * scales[0]).
   """
-  del hint_S
-  shift_S = jnp.max(logits_SxV, axis=-1)
-  x_SxV = logits_SxV - shift_S[:, None]
-  sums = tuple(jnp.sum(jnp.exp(x_SxV * s), axis=-1) for s in scales)
-  if out_CxV is not None:
-    e_SxV = jnp.exp(x_SxV * scales[0]).astype(out_CxV.dtype)
-    out_CxV = jax.lax.dynamic_update_slice_in_dim(out_CxV, e_SxV, offset, axis=0)
-  return out_CxV, sums, shift_S
+  del hint_C
+  shift_C = jnp.max(logits_CxV, axis=-1)
+  x_CxV = logits_CxV - shift_C[:, None]
+  sums = tuple(jnp.sum(jnp.exp(x_CxV * s), axis=-1) for s in scales)
+  e_CxV = None if dtype is None else jnp.exp(x_CxV * scales[0]).astype(dtype)
+  return e_CxV, sums, shift_C
 
 
 def normalisers(sums, shift_C, spec):
@@ -134,23 +107,22 @@ def _gather_rows(logits_CxV, ids_CxK, labels_C):
   return zk_CxK, zl_C
 
 
-def sub_terms(hidden_SxD, lm_head_DxV, ids_SxK, logp_SxK, labels_S, spec, exp_pass, out_CxV,
-              offset):
-  """Logits of one sub-chunk, one exp_pass over them (writing E into out's rows [offset,
-  offset + S) if out is given), and the loss terms.
+def chunk_terms(hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, exp_pass, dtype):
+  """Logits of one chunk, one exp_pass over them, and the loss terms.
 
-  Returns (logits, out, sums, gathered (zk, zl, lse_s, lse_z), terms).
+  dtype: the matmul dtype if E is wanted (gradients with a one-softmax dense part), else None.
+  Returns (logits, E or None, sums, gathered (zk, zl, lse_s, lse_z), terms).
   """
-  logits_SxV = jnp.einsum("sd,dv->sv", hidden_SxD, lm_head_DxV,
+  logits_CxV = jnp.einsum("cd,dv->cv", hidden_CxD, lm_head_DxV,
                           preferred_element_type=jnp.float32)
-  zk_SxK, zl_S = _gather_rows(logits_SxV, ids_SxK, labels_S)
-  hint_S = jnp.max(zk_SxK, axis=-1)
+  zk_CxK, zl_C = _gather_rows(logits_CxV, ids_CxK, labels_C)
+  hint_C = jnp.max(zk_CxK, axis=-1)
   if spec.has_labels:
-    hint_S = jnp.maximum(hint_S, zl_S)
-  out_CxV, sums, shift_S = exp_pass(logits_SxV, hint_S, softmax_scales(spec), out_CxV, offset)
-  lse_s_S, lse_z_S = normalisers(sums, shift_S, spec)
-  terms = objectives.row_terms(zk_SxK, zl_S, lse_s_S, lse_z_S, logp_SxK, spec)
-  return logits_SxV, out_CxV, sums, (zk_SxK, zl_S, lse_s_S, lse_z_S), terms
+    hint_C = jnp.maximum(hint_C, zl_C)
+  e_CxV, sums, shift_C = exp_pass(logits_CxV, hint_C, softmax_scales(spec), dtype)
+  lse_s_C, lse_z_C = normalisers(sums, shift_C, spec)
+  terms = objectives.row_terms(zk_CxK, zl_C, lse_s_C, lse_z_C, logp_CxK, spec)
+  return logits_CxV, e_CxV, sums, (zk_CxK, zl_C, lse_s_C, lse_z_C), terms
 
 
 def row_scale(coef_C, sum_C, vals_CxE):
@@ -161,33 +133,31 @@ def row_scale(coef_C, sum_C, vals_CxE):
   return coef_C / sum_C
 
 
-def scatter_entries(dense_CxV, offset, scale_S, gathered, terms, ids_SxK, labels_S, w_S, spec):
-  """Set the K (+1) exact entries of dL/dz / scale at the top-k ids and label of rows [offset,
-  offset + S) over the dense part (already divided by scale), in dense's dtype, in place."""
-  zk_SxK, zl_S, lse_s_S, lse_z_S = gathered
-  ent_ids_SxE, ent_vals_SxE = objectives.sparse_entries(
-      ids_SxK, labels_S, zk_SxK, zl_S, lse_s_S, lse_z_S, terms, w_S, spec)
-  safe_S = jnp.where(scale_S == 0, 1.0, scale_S)
-  ent_vals_SxE = jnp.where(scale_S[:, None] == 0, 0.0, ent_vals_SxE / safe_S[:, None])
-  rows_SxE = jnp.broadcast_to(offset + jnp.arange(ids_SxK.shape[0])[:, None], ent_ids_SxE.shape)
-  return dense_CxV.at[rows_SxE, ent_ids_SxE].set(ent_vals_SxE.astype(dense_CxV.dtype))
+def scatter_entries(dense_CxV, scale_C, gathered, terms, ids_CxK, labels_C, w_C, spec, dtype):
+  """dL/dz / scale in dtype: the dense part (already divided by scale) with the K (+1) exact
+  entries at the top-k ids and label set over it."""
+  zk_CxK, zl_C, lse_s_C, lse_z_C = gathered
+  ent_ids_CxE, ent_vals_CxE = objectives.sparse_entries(
+      ids_CxK, labels_C, zk_CxK, zl_C, lse_s_C, lse_z_C, terms, w_C, spec)
+  safe_C = jnp.where(scale_C == 0, 1.0, scale_C)
+  ent_vals_CxE = jnp.where(scale_C[:, None] == 0, 0.0, ent_vals_CxE / safe_C[:, None])
+  rows_CxE = jnp.broadcast_to(jnp.arange(ids_CxK.shape[0])[:, None], ent_ids_CxE.shape)
+  return dense_CxV.at[rows_CxE, ent_ids_CxE].set(ent_vals_CxE.astype(dtype))
 
 
-def sub_dlogits(dz_CxV, offset, logits_SxV, sums, gathered, terms, ids_SxK, labels_S, w_S, spec,
-                dense_grad):
-  """Rows [offset, offset + S) of dL/dz / r into dz (in place), and r [S]: dL/dz = r * dz, row
-  by row. dz's rows already hold E if the dense part is one softmax (exp_pass wrote them)."""
-  a_S, b_S = terms["a"] * w_S, terms["b"] * w_S
-  if writes_dense(spec):
-    _, ent_vals_SxE = objectives.sparse_entries(ids_SxK, labels_S, *gathered, terms, w_S, spec)
-    scale_S = row_scale(a_S + b_S, sums[0], ent_vals_SxE)
-  else:  # two softmaxes: a second pass writes dL/dz itself
-    _, _, lse_s_S, lse_z_S = gathered
-    dense_SxV = dense_grad(logits_SxV, lse_s_S, lse_z_S, a_S, b_S, spec, dz_CxV.dtype)
-    dz_CxV = jax.lax.dynamic_update_slice_in_dim(dz_CxV, dense_SxV, offset, axis=0)
-    scale_S = jnp.ones_like(a_S)
-  return scatter_entries(dz_CxV, offset, scale_S, gathered, terms, ids_SxK, labels_S, w_S,
-                         spec), scale_S
+def chunk_dlogits(logits_CxV, e_CxV, sums, gathered, terms, ids_CxK, labels_C, w_C, spec, dtype,
+                  dense_grad):
+  """(dL/dz / r in dtype, r [C]) for one chunk: dL/dz = r * the returned matrix, row by row."""
+  a_C, b_C = terms["a"] * w_C, terms["b"] * w_C
+  if e_CxV is None:  # two softmaxes: a second pass writes dL/dz itself
+    zk_CxK, zl_C, lse_s_C, lse_z_C = gathered
+    dense_CxV = dense_grad(logits_CxV, lse_s_C, lse_z_C, a_C, b_C, spec, dtype)
+    scale_C = jnp.ones_like(a_C)
+  else:
+    _, ent_vals_CxE = objectives.sparse_entries(ids_CxK, labels_C, *gathered, terms, w_C, spec)
+    dense_CxV, scale_C = e_CxV, row_scale(a_C + b_C, sums[0], ent_vals_CxE)
+  return scatter_entries(dense_CxV, scale_C, gathered, terms, ids_CxK, labels_C, w_C, spec,
+                         dtype), scale_C
 
 
 def accumulate_dw(dw_DxV, hidden_CxD, dz_CxV):
@@ -199,55 +169,40 @@ def accumulate_dw(dw_DxV, hidden_CxD, dz_CxV):
 
 def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
                  dw_dtype, exp_pass, dense_grad, with_grads):
-  """Scan over chunks of C rows, each in sub-chunks of S rows (sub_rows) for the logits.
-
-  Returns (kl_sum, ce_sum) weighted by w, plus (dh, dW) if with_grads; dW in dw_dtype.
-  """
+  """Scan over chunks. Returns (kl_sum, ce_sum) weighted by w, plus (dh, dW) if with_grads;
+  dW in dw_dtype."""
   num_rows, _ = hidden_NxD.shape
-  vocab = lm_head_DxV.shape[1]
   dtype = jnp.promote_types(hidden_NxD.dtype, lm_head_DxV.dtype)
-  sub = sub_rows(chunk, vocab)
   take = lambda x, start: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=0)
+  e_dtype = dtype if with_grads and writes_dense(spec) else None
 
   def body(carry, i):
     start, fresh_C = _chunk_start(i, num_rows, chunk)
-    h_CxD, ids_CxK, logp_CxK = take(hidden_NxD, start), take(ids_NxK, start), take(logp_NxK, start)
-    labels_C = take(labels_N, start)
+    h_CxD = take(hidden_NxD, start)
+    ids_CxK, labels_C = take(ids_NxK, start), take(labels_N, start)
     w_C = jnp.where(fresh_C, take(w_N, start), 0.0)
-    kl_sum, ce_sum = carry[:2]
-    dz_CxV = carry[4] if with_grads else None  # E of the previous chunk: overwritten row by row
-    scales = []
-    for offset in range(0, chunk, sub):
-      rows = slice(offset, offset + sub)
-      logits_SxV, e_CxV, sums, gathered, terms = sub_terms(
-          h_CxD[rows], lm_head_DxV, ids_CxK[rows], logp_CxK[rows], labels_C[rows], spec,
-          exp_pass, dz_CxV if writes_dense(spec) else None, offset)
-      kl_sum += jnp.sum(w_C[rows] * terms["kl"])
-      ce_sum += jnp.sum(w_C[rows] * terms["ce"])
-      if with_grads:
-        dz_CxV = e_CxV if writes_dense(spec) else dz_CxV
-        dz_CxV, scale_S = sub_dlogits(dz_CxV, offset, logits_SxV, sums, gathered, terms,
-                                      ids_CxK[rows], labels_C[rows], w_C[rows], spec, dense_grad)
-        scales.append(scale_S)
+    logits_CxV, e_CxV, sums, gathered, terms = chunk_terms(
+        h_CxD, lm_head_DxV, ids_CxK, take(logp_NxK, start), labels_C, spec, exp_pass, e_dtype)
+    kl, ce = jnp.sum(w_C * terms["kl"]), jnp.sum(w_C * terms["ce"])
     if not with_grads:
-      return (kl_sum, ce_sum), None
-    dh_NxD, dw_DxV = carry[2:4]
-    scale_C = jnp.concatenate(scales)
+      return (carry[0] + kl, carry[1] + ce), None
+    kl_sum, ce_sum, dh_NxD, dw_DxV = carry
+    dz_CxV, scale_C = chunk_dlogits(logits_CxV, e_CxV, sums, gathered, terms, ids_CxK, labels_C,
+                                    w_C, spec, dtype, dense_grad)
     dh_CxD = scale_C[:, None] * jnp.einsum("cv,dv->cd", dz_CxV, lm_head_DxV.astype(dtype),
                                            preferred_element_type=jnp.float32)
     dh_CxD = jnp.where(fresh_C[:, None], dh_CxD.astype(dh_NxD.dtype), take(dh_NxD, start))
     dh_NxD = jax.lax.dynamic_update_slice_in_dim(dh_NxD, dh_CxD, start, axis=0)
     scaled_h_CxD = (scale_C[:, None] * h_CxD.astype(jnp.float32)).astype(dtype)
     dw_DxV = accumulate_dw(dw_DxV, scaled_h_CxD, dz_CxV)
-    return (kl_sum, ce_sum, dh_NxD, dw_DxV, dz_CxV), None
+    return (kl_sum + kl, ce_sum + ce, dh_NxD, dw_DxV), None
 
   zero = jnp.zeros((), jnp.float32)
   carry = (zero, zero)
   if with_grads:
-    carry += (jnp.zeros_like(hidden_NxD), jnp.zeros(lm_head_DxV.shape, dw_dtype),
-              jnp.zeros((chunk, vocab), dtype))
+    carry += (jnp.zeros_like(hidden_NxD), jnp.zeros(lm_head_DxV.shape, dw_dtype))
   carry, _ = jax.lax.scan(body, carry, jnp.arange(-(-num_rows // chunk)))
-  return carry[:4]
+  return carry
 
 
 def build_fused_loss(exp_pass: Callable, dense_grad: Callable):
