@@ -354,7 +354,8 @@ def plot(path, png):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   rows = [json.loads(l) for l in open(path)]
-  rows = [r for r in rows if "time_s" in r and not r.get("chunk") and not r.get("overrides")]
+  rows = [r for r in rows if "time_s" in r and not r.get("chunk") and not r.get("overrides")
+          and not r.get("exclude_from_plot") and "+" not in r["impl"]]
   rows = list({(r["shape"], r["tokens"], r["impl"]): r for r in rows}.values())  # last run wins
   shapes = [s for s in SHAPES if any(r["shape"] == s for r in rows)]
   impls = sorted({r["impl"] for r in rows})

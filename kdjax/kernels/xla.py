@@ -34,7 +34,7 @@ from kdjax.kernels import objectives
 # bytes. It gets at least MIN_WORKING_SET_BYTES, or a fifth of the memory the loss cannot avoid
 # (hidden, lm_head and their gradients) when that is more: longer sequences get larger chunks,
 # which cost proportionally less dW read-modify-write traffic (dW += h_c^T dz per chunk).
-MIN_WORKING_SET_BYTES = 960 * 2**20
+MIN_WORKING_SET_BYTES = 768 * 2**20
 WORKING_SET_SHARE = 0.2
 MAX_CHUNK = 8192
 
