@@ -133,31 +133,28 @@ def row_scale(coef_C, sum_C, vals_CxE):
   return coef_C / sum_C
 
 
-def scatter_entries(dense_CxV, scale_C, gathered, terms, ids_CxK, labels_C, w_C, spec, dtype):
-  """dL/dz / scale in dtype: the dense part (already divided by scale) with the K (+1) exact
-  entries at the top-k ids and label set over it."""
-  zk_CxK, zl_C, lse_s_C, lse_z_C = gathered
-  ent_ids_CxE, ent_vals_CxE = objectives.sparse_entries(
-      ids_CxK, labels_C, zk_CxK, zl_C, lse_s_C, lse_z_C, terms, w_C, spec)
+def scatter_entries(dense_CxV, scale_C, ent_ids_CxE, ent_vals_CxE):
+  """dL/dz / scale in dense's dtype: the dense part (already divided by scale) with the exact
+  entries (objectives.sparse_entries) divided by scale and set over it."""
   safe_C = jnp.where(scale_C == 0, 1.0, scale_C)
   ent_vals_CxE = jnp.where(scale_C[:, None] == 0, 0.0, ent_vals_CxE / safe_C[:, None])
-  rows_CxE = jnp.broadcast_to(jnp.arange(ids_CxK.shape[0])[:, None], ent_ids_CxE.shape)
-  return dense_CxV.at[rows_CxE, ent_ids_CxE].set(ent_vals_CxE.astype(dtype))
+  rows_CxE = jnp.broadcast_to(jnp.arange(dense_CxV.shape[0])[:, None], ent_ids_CxE.shape)
+  return dense_CxV.at[rows_CxE, ent_ids_CxE].set(ent_vals_CxE.astype(dense_CxV.dtype))
 
 
 def chunk_dlogits(logits_CxV, e_CxV, sums, gathered, terms, ids_CxK, labels_C, w_C, spec, dtype,
                   dense_grad):
   """(dL/dz / r in dtype, r [C]) for one chunk: dL/dz = r * the returned matrix, row by row."""
   a_C, b_C = terms["a"] * w_C, terms["b"] * w_C
+  ent_ids_CxE, ent_vals_CxE = objectives.sparse_entries(ids_CxK, labels_C, *gathered, terms, w_C,
+                                                        spec)
   if e_CxV is None:  # two softmaxes: a second pass writes dL/dz itself
-    zk_CxK, zl_C, lse_s_C, lse_z_C = gathered
+    _, _, lse_s_C, lse_z_C = gathered
     dense_CxV = dense_grad(logits_CxV, lse_s_C, lse_z_C, a_C, b_C, spec, dtype)
     scale_C = jnp.ones_like(a_C)
   else:
-    _, ent_vals_CxE = objectives.sparse_entries(ids_CxK, labels_C, *gathered, terms, w_C, spec)
     dense_CxV, scale_C = e_CxV, row_scale(a_C + b_C, sums[0], ent_vals_CxE)
-  return scatter_entries(dense_CxV, scale_C, gathered, terms, ids_CxK, labels_C, w_C, spec,
-                         dtype), scale_C
+  return scatter_entries(dense_CxV, scale_C, ent_ids_CxE, ent_vals_CxE), scale_C
 
 
 def accumulate_dw(dw_DxV, hidden_CxD, dz_CxV):
