@@ -326,6 +326,13 @@ def profile(spec, out_dir, steps=3):
       lambda h, w, ids, logp, mask: kernels.topk_kl_loss(
           h, w, ids, logp, mask, impl=impl, chunk_size=int(rest[0]) if rest else None),
       argnums=(0, 1)))
+  compiled = step.lower(*inputs).compile()
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "hlo.txt"), "w") as f:  # the optimised program, to read
+    f.write(compiled.as_text())
+  ma = compiled.memory_analysis()
+  print(f"PROFILE memory GiB: arguments {ma.argument_size_in_bytes / 2**30:.2f} outputs "
+        f"{ma.output_size_in_bytes / 2**30:.2f} temporaries {ma.temp_size_in_bytes / 2**30:.2f}")
   jax.block_until_ready(step(*inputs))
   trace_dir = os.path.join(out_dir, "trace")
   with jax.profiler.trace(trace_dir):
