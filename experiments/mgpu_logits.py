@@ -52,10 +52,6 @@ TILES = Tiles()
 INTERPRET_TILES = Tiles(bm=64, bn=128, bk=64, stages=2, epi=64, group=2)
 
 
-def tiles() -> Tiles:
-  return TILES if jax.default_backend() == "gpu" else INTERPRET_TILES
-
-
 def project_reference(h_MxK, w_KxV, cols, scale, shift_M=None, e_MxV=None, bn=TILES.bn):
   """project in XLA: the same outputs from float32 logits."""
   m, cols = h_MxK.shape[0], slice(cols.start, cols.stop)

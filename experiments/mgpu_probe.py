@@ -2,8 +2,15 @@
 
     PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python experiments/mgpu_probe.py [M K V]
 """
-import functools, json, statistics, sys, time
-import jax, jax.numpy as jnp
+import functools
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
 from experiments import mgpu_logits as mgpu
 
 
@@ -12,11 +19,14 @@ def timeit(f, *args, n=10):
     jax.block_until_ready(f(*args))
   ts = []
   for _ in range(n):
-    t = time.perf_counter(); jax.block_until_ready(f(*args)); ts.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    ts.append(time.perf_counter() - t)
   return statistics.median(ts) * 1e3
 
 
 def sweep(h, w, windows, tiles, with_z):
+  """All windows into one E in place; returns E and a scalar touching every other output."""
   e_ref, outs = None, []
   for cols in windows:
     out = mgpu.project(h, w, cols, 1.0, None, e_ref, tiles, with_z)
