@@ -44,13 +44,15 @@ def main():
   print(json.dumps(dict(impl="xla dot f32", ms=base)), flush=True)
   T = mgpu.Tiles
   for name, tiles, nwin, with_z in [
-      ("8 windows, z, z_epi 32", T(), 8, True), ("8 windows, z, z_epi 64, 2 stages", T(stages=2, z_epi=64), 8, True),
+      ("8 windows, z, z_epi 32", T(), 8, True),
+      ("8 windows, z, z_epi 64, 2 stages", T(stages=2, z_epi=64), 8, True),
       ("8 windows, no z", T(), 8, False), ("1 window, no z", T(), 1, False),
       ("1 window, z", T(), 1, True), ("4 windows, z", T(), 4, True)]:
     step = n // nwin
     windows = [range(i * step, (i + 1) * step) for i in range(nwin)]
     try:
-      t = timeit(jax.jit(functools.partial(sweep, windows=windows, tiles=tiles, with_z=with_z)), h, w)
+      step_fn = functools.partial(sweep, windows=windows, tiles=tiles, with_z=with_z)
+      t = timeit(jax.jit(step_fn), h, w)
       print(json.dumps(dict(impl=name, ms=t, ratio=t / base)), flush=True)
     except Exception as e:
       print(json.dumps(dict(impl=name, error=repr(e)[:300])), flush=True)

@@ -1,0 +1,56 @@
+"""Shared by the demo A/B experiments: the demo's data, teacher and cache made once, then the
+student distilled per arm and seed (stages train + eval) and the held-out results tabled."""
+import argparse
+import json
+import os
+
+from configs import demo
+from kdjax import pipeline
+
+
+def parse_args(doc: str, out: str) -> argparse.Namespace:
+  """--seeds (comma-separated) and --out (default out) for an A/B script whose help is doc."""
+  parser = argparse.ArgumentParser(description=doc,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--seeds", default="0,1")
+  parser.add_argument("--out", default=out)
+  args = parser.parse_args()
+  args.seeds = [int(x) for x in args.seeds.split(",")]
+  return args
+
+
+def prepare(out: str):
+  """The demo's data, teacher and cache under OUT/demo (skipped when present); their config."""
+  prep = demo.get_config()
+  prep.workdir = os.path.join(out, "demo")
+  prep.stages = ("data", "pretrain", "cache")
+  pipeline.run(prep)
+  return prep
+
+
+def distil(prep, out: str, name: str, seed: int, edit=lambda c: None) -> dict:
+  """The demo student distilled in OUT/NAME from prep's cache (bf16 matmuls, as on a GPU), the
+  config changed by edit(c); returns its held-out evaluation."""
+  c = demo.get_config()
+  c.workdir = os.path.join(out, name)
+  c.cache.path = os.path.join(prep.workdir, "cache")
+  c.data.tokenizer = os.path.join(prep.workdir, "data", "tokenizer.json")
+  c.stages = ("train", "eval")
+  c.seed = seed
+  c.student.dtype = "bfloat16"
+  edit(c)
+  os.makedirs(c.workdir, exist_ok=True)
+  link = os.path.join(c.workdir, "data")
+  if not os.path.exists(link):
+    os.symlink(os.path.abspath(os.path.join(prep.workdir, "data")), link)
+  pipeline.run(c)
+  with open(os.path.join(c.workdir, "eval.json")) as f:
+    return json.load(f)["student"]
+
+
+def report(results: dict, out: str):
+  with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump(results, f, indent=2)
+  print(f"{'run':20} {'KL to teacher':>14} {'top-1 agree':>12} {'held-out CE':>12}")
+  for name, r in results.items():
+    print(f"{name:20} {r['kl']:14.5f} {r['top1_agreement']:12.4f} {r['ce']:12.5f}")

@@ -1,0 +1,58 @@
+"""Would top-k student logits read back from the bf16 softmax numerator E be accurate enough?
+
+A kernel that writes only E = exp(z / tau - shift) in bf16 from the logits matmul (see
+experiments/mgpu_logits.py) cannot also hand out the exact float32 logits at the teacher's top-k
+ids; they would be recovered as shift + tau * log(E), with up to 2^-9 relative error in each
+q_k, which then enters the loss and the exact dL/dz entries a * q_k - p_k. This distils the demo
+student (configs/demo.py, bf16 matmuls) both ways, impl "xla" with that recovery patched in
+(arm "from_e") or not ("exact"), per seed, and prints the held-out KL and CE.
+
+    python experiments/topk_from_e_ab.py [--seeds 0,1] [--out runs/topk_from_e_ab]
+"""
+import jax.numpy as jnp
+
+from experiments import demo_ab
+from kdjax.kernels import objectives, xla
+
+
+def from_e(chunk_terms):
+  """chunk_terms with the top-k and label logits recovered from the bf16 E (when E exists)."""
+
+  def patched(hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, exp_pass, dtype):
+    logits_CxV, e_CxV, sums, gathered, terms = chunk_terms(
+        hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, exp_pass, dtype)
+    if e_CxV is None:
+      return logits_CxV, e_CxV, sums, gathered, terms
+    _, _, lse_s_C, lse_z_C = gathered
+    shift_C = jnp.max(logits_CxV, axis=-1)  # xla_exp_pass shifts by the row maximum
+    tiny = jnp.finfo(e_CxV.dtype).tiny
+
+    def recover(ids_CxJ):
+      e_CxJ = jnp.take_along_axis(e_CxV, ids_CxJ, axis=-1).astype(jnp.float32)
+      return shift_C[:, None] + spec.temperature * jnp.log(jnp.maximum(e_CxJ, tiny))
+
+    zk_CxK, zl_C = recover(ids_CxK), recover(labels_C[:, None])[:, 0]
+    terms = objectives.row_terms(zk_CxK, zl_C, lse_s_C, lse_z_C, logp_CxK, spec)
+    return logits_CxV, e_CxV, sums, (zk_CxK, zl_C, lse_s_C, lse_z_C), terms
+
+  return patched
+
+
+def main():
+  args = demo_ab.parse_args(__doc__, "runs/topk_from_e_ab")
+  prep = demo_ab.prepare(args.out)
+  exact = xla.chunk_terms
+  results = {}
+  try:
+    for seed in args.seeds:
+      for arm in ("exact", "from_e"):
+        xla.chunk_terms = exact if arm == "exact" else from_e(exact)
+        results[f"{arm}_seed{seed}"] = demo_ab.distil(
+            prep, args.out, f"{arm}_seed{seed}", seed, lambda c: setattr(c.loss, "impl", "xla"))
+        demo_ab.report(results, args.out)
+  finally:
+    xla.chunk_terms = exact
+
+
+if __name__ == "__main__":
+  main()
