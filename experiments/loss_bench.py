@@ -84,10 +84,32 @@ def jax_inputs(shape, tokens):
   return hidden, lm_head, ids.astype(jnp.int32), logp, mask, labels
 
 
+def loss_step(impl, chunk, dw_dtype=None):
+  """jit(value_and_grad) of the loss in hidden and lm_head; arguments (h, w, ids, logp, mask)."""
+  import jax
+  from kdjax import kernels
+  return jax.jit(jax.value_and_grad(
+      lambda h, w, ids, logp, mask: kernels.topk_kl_loss(h, w, ids, logp, mask, impl=impl,
+                                                          chunk_size=chunk, dw_dtype=dw_dtype),
+      argnums=(0, 1)))
+
+
+def parse_spec(spec, chunk=None):
+  """SHAPE:TOKENS:IMPL[+OPTION...][:CHUNK] -> (shape, tokens, impl, options, chunk); the
+  options' XLA flags go into XLA_FLAGS (before jax is imported)."""
+  shape, tokens, impl, *rest = spec.split(":")
+  impl, *options = impl.split("+")
+  unknown = set(options) - set(OPTIONS)
+  if unknown:
+    raise SystemExit(f"unknown options {unknown} in {spec}")
+  flags = [os.environ.get("XLA_FLAGS", "")] + [OPTIONS[o] for o in options]
+  os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)
+  return shape, int(tokens), impl, options, int(rest[0]) if rest else chunk
+
+
 def run_jax(shape, tokens, impl, chunk, dw_dtype=None):
   import jax
   import jax.numpy as jnp
-  from kdjax import kernels
   dev = jax.devices()[0]
   if impl == "floor":
     dim, vocab = SHAPES[shape]
@@ -105,10 +127,7 @@ def run_jax(shape, tokens, impl, chunk, dw_dtype=None):
   jax.block_until_ready(inputs)
   stats = dev.memory_stats() or {}
   before, gen_peak = stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
-  step = jax.jit(jax.value_and_grad(
-      lambda h, w, ids, logp, mask: kernels.topk_kl_loss(h, w, ids, logp, mask, impl=impl,
-                                                          chunk_size=chunk, dw_dtype=dw_dtype),
-      argnums=(0, 1)))
+  step = loss_step(impl, chunk, dw_dtype)
   # XLA's own account of the program: arguments + outputs + peak temporaries. The process
   # peak below also holds one-time compile-time allocations (gemm autotuning buffers).
   ma = step.lower(*inputs).compile().memory_analysis()
@@ -154,17 +173,10 @@ def _apply_overrides():
 
 def memory(spec, out_dir):
   """Compile one config (no run): XLA's memory analysis and the optimised HLO to out_dir."""
-  import jax
-  from kdjax import kernels
+  shape, tokens, impl, options, chunk = parse_spec(spec)
   _apply_overrides()
-  shape, tokens, impl, *rest = spec.split(":")
-  impl = impl.split("+")[0]
-  hidden, lm_head, ids, logp, mask, labels = jax_inputs(shape, int(tokens))
-  step = jax.jit(jax.value_and_grad(
-      lambda h, w: kernels.topk_kl_loss(h, w, ids, logp, mask, impl=impl,
-                                        chunk_size=int(rest[0]) if rest else None),
-      argnums=(0, 1)))
-  compiled = step.lower(hidden, lm_head).compile()
+  step = loss_step(impl, chunk, "float32" if "f32dw" in options else None)
+  compiled = step.lower(*jax_inputs(shape, tokens)[:5]).compile()
   ma = compiled.memory_analysis()
   print(f"MEMORY {spec} {os.environ.get('KDJAX_BENCH_SET', '')}: temp "
         f"{ma.temp_size_in_bytes / 2**30:.3f} GiB, args {ma.argument_size_in_bytes / 2**30:.3f}, "
@@ -177,16 +189,8 @@ def memory(spec, out_dir):
 
 
 def one(spec, chunk):
+  shape, tokens, impl, options, chunk = parse_spec(spec, chunk)
   _apply_overrides()
-  shape, tokens, impl, *rest = spec.split(":")  # optional 4th field: chunk size
-  tokens = int(tokens)
-  chunk = int(rest[0]) if rest else chunk
-  impl, *options = impl.split("+")
-  unknown = set(options) - set(OPTIONS)
-  if unknown:
-    raise SystemExit(f"unknown options {unknown} in {spec}")
-  flags = [os.environ.get("XLA_FLAGS", "")] + [OPTIONS[o] for o in options]
-  os.environ["XLA_FLAGS"] = " ".join(f for f in flags if f)  # before jax is imported
   try:
     if impl == "liger":
       res = run_liger(shape, tokens)
@@ -319,20 +323,9 @@ def profile(spec, out_dir, steps=3):
   """Device time per kernel name (ms per step) of one config, from a jax.profiler trace."""
   import glob
   import jax
-  from kdjax import kernels
-  shape, tokens, impl, *rest = spec.split(":")
-  inputs = jax_inputs(shape, int(tokens))[:5]
-  step = jax.jit(jax.value_and_grad(
-      lambda h, w, ids, logp, mask: kernels.topk_kl_loss(
-          h, w, ids, logp, mask, impl=impl, chunk_size=int(rest[0]) if rest else None),
-      argnums=(0, 1)))
-  compiled = step.lower(*inputs).compile()
-  os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, "hlo.txt"), "w") as f:  # the optimised program, to read
-    f.write(compiled.as_text())
-  ma = compiled.memory_analysis()
-  print(f"PROFILE memory GiB: arguments {ma.argument_size_in_bytes / 2**30:.2f} outputs "
-        f"{ma.output_size_in_bytes / 2**30:.2f} temporaries {ma.temp_size_in_bytes / 2**30:.2f}")
+  shape, tokens, impl, options, chunk = parse_spec(spec)
+  inputs = jax_inputs(shape, tokens)[:5]
+  step = loss_step(impl, chunk, "float32" if "f32dw" in options else None)
   jax.block_until_ready(step(*inputs))
   trace_dir = os.path.join(out_dir, "trace")
   with jax.profiler.trace(trace_dir):
