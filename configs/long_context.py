@@ -32,7 +32,7 @@ def long_context(seq_len: int, workdir: str, variant: str):
   c.cache.layout = "compact"
   c.cache.batch_size = 1
   c.cache.chunk_size = 4096
-  c.loss.chunk_size = 4096
+  c.loss.chunk_size = 0  # sized by the loss kernel to the memory it has
   c.opt.update(lr=1e-4, steps=2000, batch_size=1, accum_steps=32, warmup_steps=100,
                log_every=1, ckpt_every=50)
   c.eval.batch_size = 1

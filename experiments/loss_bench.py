@@ -271,7 +271,8 @@ def check(shapes="AB", tokens=4000):
     with jax.default_matmul_precision("highest"):
       ref_l, (ref_h, ref_w) = grads("reference", hidden.astype(jnp.float32),
                                     lm_head.astype(jnp.float32))
-    for impl in ("pallas", "xla") + (("paper", "reference") if objective == "sparse" else ()):
+    for impl in ("pallas", "pallas_exact", "xla") + (
+        ("paper", "reference") if objective == "sparse" else ()):
       try:
         val, (gh, gw) = grads(impl, hidden, lm_head)
       except Exception as e:  # noqa: BLE001 - report and go on to the next impl
@@ -309,7 +310,9 @@ def dwcheck(specs):
       grads[dw_dtype] = [g.astype(jnp.float32) for g in step(hidden, lm_head)]
       del step
     rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-    chunk = kernels.xla.default_chunk(int(tokens), *SHAPES[shape], 2)
+    from kdjax.kernels import objectives, pallas
+    chunk = pallas.default_chunk(int(tokens), *SHAPES[shape], jnp.bfloat16,
+                                 objectives.LossSpec("tail", 1.0, 0.0, False))
     print("DWCHECK " + json.dumps(dict(
         shape=shape, tokens=int(tokens), chunk=chunk, chunks=-(-int(tokens) // chunk),
         dw_rel_diff=rel(grads[None][1], grads["float32"][1]),

@@ -6,7 +6,7 @@ import ml_collections
 
 STAGES = ("data", "pretrain", "cache", "train", "baseline", "eval", "export")
 OBJECTIVES = ("sparse", "tail", "renorm")
-IMPLS = ("auto", "reference", "xla", "pallas", "paper")
+IMPLS = ("auto", "reference", "xla", "pallas", "pallas_exact", "paper")
 LAYOUTS = ("float32", "compact")
 DTYPES = ("float32", "bfloat16")
 
@@ -87,8 +87,8 @@ def base() -> ml_collections.ConfigDict:
   c.loss.objective = "sparse"  # "sparse" (paper), "tail" (+ one bucket for 1 - top-k mass), "renorm"
   c.loss.temperature = 1.0  # softening; see kdjax.kernels for the exact definition
   c.loss.ce_weight = 0.0  # weight of hard-label cross-entropy mixed into the distillation loss
-  c.loss.impl = "auto"  # "auto" (pallas on GPU, xla on CPU), "xla", "pallas", "paper", "reference"
-  c.loss.chunk_size = 1024  # positions per loss chunk (bounds [C, V] logits)
+  c.loss.impl = "auto"  # "auto" (pallas on GPU, xla on CPU), "xla", "pallas", "pallas_exact", "paper", "reference"
+  c.loss.chunk_size = 0  # positions per loss chunk (bounds the [C, V] working set); 0: sized by the kernel
   c.loss.dw_dtype = "float32"  # lm_head gradient accumulated across chunks in: "float32", "bfloat16"
 
   c.opt = opt_group()  # student training (stages "train" and "baseline")
@@ -142,7 +142,7 @@ def validate(c: ml_collections.ConfigDict):
   _require(c.loss.impl in IMPLS, f"loss.impl must be one of {IMPLS}")
   _require(c.loss.temperature > 0, "loss.temperature must be > 0")
   _require(c.loss.ce_weight >= 0, "loss.ce_weight must be >= 0")
-  _require(c.loss.chunk_size > 0, "loss.chunk_size must be > 0")
+  _require(c.loss.chunk_size >= 0, "loss.chunk_size must be >= 0 (0: sized by the kernel)")
   _require(c.loss.dw_dtype in ("float32", "bfloat16"),
            "loss.dw_dtype must be 'float32' or 'bfloat16'")
   _require(c.eval.batch_size > 0 and c.eval.max_seqs >= 0, "eval.batch_size > 0, eval.max_seqs >= 0")

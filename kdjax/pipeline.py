@@ -165,7 +165,8 @@ def stage_eval(c, paths: Paths):
   if "baseline" in c.stages:
     models["baseline"] = stage_baseline(c, paths)[0]
   results = {name: evaluate.evaluate(m, eval_store, batch_size=c.eval.batch_size,
-                                     max_seqs=c.eval.max_seqs, chunk_size=c.loss.chunk_size,
+                                     max_seqs=c.eval.max_seqs,
+                                     chunk_size=c.loss.chunk_size or None,
                                      desc=f"eval {name}") for name, m in models.items()}
   with open(os.path.join(c.workdir, "eval.json"), "w") as f:
     json.dump(results, f, indent=2)

@@ -88,7 +88,7 @@ def loss_fn(params, graphdef, batch, loss: LossSettings):
       hidden_BxTxD, lm_head_DxV, batch["topk_ids"], batch["topk_logprobs"],
       batch["loss_mask"], objective=loss.objective, temperature=loss.temperature,
       labels=batch["labels"], ce_weight=loss.ce_weight, impl=loss.impl,
-      chunk_size=loss.chunk_size, dw_dtype=loss.dw_dtype, return_aux=True)
+      chunk_size=loss.chunk_size or None, dw_dtype=loss.dw_dtype, return_aux=True)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "tx", "loss"), donate_argnames="state")

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from kdjax.kernels import objectives, reference, xla
 
-IMPLS = ("auto", "reference", "xla", "pallas", "paper")
+IMPLS = ("auto", "reference", "xla", "pallas", "pallas_exact", "paper")
 
 
 def _fused_impl(impl: str):
@@ -43,8 +43,10 @@ def _fused_impl(impl: str):
     impl = "pallas" if jax.default_backend() == "gpu" else "xla"
   if impl == "xla":
     return xla.topk_kl_loss, xla.default_chunk
-  if impl == "pallas":
+  if impl in ("pallas", "pallas_exact"):
     from kdjax.kernels import pallas
+    if impl == "pallas_exact":
+      return pallas.topk_kl_loss_exact, xla.default_chunk
     return pallas.topk_kl_loss, pallas.default_chunk
   if impl == "paper":
     from kdjax.kernels import paper
@@ -140,8 +142,8 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
                                           labels_N, spec)
   else:
     fused, default_chunk = _fused_impl(impl)
-    itemsize = jnp.dtype(jnp.promote_types(hidden.dtype, lm_head.dtype)).itemsize
-    chunk = min(chunk_size or default_chunk(num_rows, dim, vocab, itemsize), num_rows)
+    dtype = jnp.promote_types(hidden.dtype, lm_head.dtype)
+    chunk = min(chunk_size or default_chunk(num_rows, dim, vocab, dtype, spec), num_rows)
     w_N = mask_N.astype(jnp.float32) / jnp.maximum(jnp.sum(mask_N), 1).astype(jnp.float32)
     loss, kl, ce = fused(hidden_NxD, lm_head, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
                          dw_dtype)
@@ -165,8 +167,8 @@ def position_stats(hidden, lm_head, topk_ids, labels=None, *, chunk_size=None):
   ids_NxK = topk_ids.reshape(num_rows, -1).astype(jnp.int32)
   labels_N = (jnp.zeros((num_rows,), jnp.int32) if labels is None
               else labels.reshape(num_rows).astype(jnp.int32))
-  itemsize = jnp.dtype(jnp.promote_types(hidden.dtype, lm_head.dtype)).itemsize
-  chunk = min(chunk_size or xla.default_chunk(num_rows, dim, vocab, itemsize), max(num_rows, 1))
+  dtype = jnp.promote_types(hidden.dtype, lm_head.dtype)
+  chunk = min(chunk_size or xla.default_chunk(num_rows, dim, vocab, dtype), max(num_rows, 1))
   if num_rows == 0:
     out = reference.position_stats(hidden_NxD, lm_head, ids_NxK, labels_N)
   else:

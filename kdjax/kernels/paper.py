@@ -16,8 +16,8 @@ from kdjax.kernels import objectives, xla
 CHUNK = 4096
 
 
-def default_chunk(num_rows: int, dim: int, vocab: int, itemsize: int) -> int:
-  del dim, vocab, itemsize
+def default_chunk(num_rows: int, dim: int, vocab: int, dtype, spec=None) -> int:
+  del dim, vocab, dtype, spec
   return min(CHUNK, num_rows)
 
 

@@ -17,8 +17,8 @@ keeps E <= e^SHIFT_LIMIT and the sums within [1, V e^SHIFT_LIMIT]. CE at tau != 
 softmaxes in dL/dz: there the pass only sums and a second pass (`dense_grad`) writes dL/dz.
 
 Chunks never pad the big arrays: chunk i starts at min(i * C, N - C), so the last chunk overlaps
-the previous one and its already-counted rows get weight 0 (and keep their dh). The same driver
-serves impl="pallas", which swaps in kernels for the passes over z.
+the previous one and its already-counted rows get weight 0 (and keep their dh); default_chunk
+picks C to keep that overlap small. The same driver serves impl="pallas", which swaps in its own `project`.
 
 Shape letters: N positions, C chunk, D model width, V vocabulary, K cached entries, E entries.
 """
@@ -37,6 +37,9 @@ from kdjax.kernels import objectives
 MIN_WORKING_SET_BYTES = 768 * 2**20
 WORKING_SET_SHARE = 0.2
 MAX_CHUNK = 8192
+# A chunk's fixed cost in rows' worth of matmul time: the read-modify-write of dW (2 |dW| bytes
+# per chunk) against 6 D V flops per row, ~130 rows on an H200 for a bf16 dW (BENCHMARKS.md).
+CHUNK_COST_ROWS = 128
 
 # See the module docstring: the most a row's maximum may exceed its shift, in units of z / tau.
 SHIFT_LIMIT = 16.0
@@ -46,12 +49,25 @@ SHIFT_LIMIT = 16.0
 COEF_FLOOR = 1e-6
 
 
-def default_chunk(num_rows: int, dim: int, vocab: int, itemsize: int) -> int:
-  """Chunk size C: a multiple of 128 (matmul tiles), at least 128, at most N."""
-  unavoidable = 2 * itemsize * (num_rows * dim + dim * vocab)
-  budget = max(MIN_WORKING_SET_BYTES, WORKING_SET_SHARE * unavoidable)
-  chunk = int(budget // (6 * vocab)) // 128 * 128
-  return max(1, min(max(chunk, 128), MAX_CHUNK, num_rows))
+def default_chunk(num_rows: int, dim: int, vocab: int, dtype, spec=None, entry_bytes: int = 6,
+                  share: float = WORKING_SET_SHARE, max_chunk: int = MAX_CHUNK,
+                  multiple: int = 1) -> int:
+  """Chunk size C (a multiple of `multiple`) for a working set of entry_bytes per [C, V]
+  element: all N rows if they fit the budget, else the multiple of 128 (matmul tiles) and of
+  `multiple` within it, and at most N, that costs least in ceil(N / C) * (C + CHUNK_COST_ROWS):
+  rows computed (the last chunk overlaps the one before) plus each chunk's fixed cost; `multiple`
+  when N is smaller. spec: unused here (kernels may size by it)."""
+  del spec
+  unavoidable = 2 * jnp.dtype(dtype).itemsize * (num_rows * dim + dim * vocab)
+  budget = max(MIN_WORKING_SET_BYTES, share * unavoidable)
+  largest = min(int(budget // (entry_bytes * vocab)), max_chunk)
+  if num_rows <= largest and num_rows % multiple == 0:
+    return num_rows
+  step = max(multiple, 128)
+  sizes = range(min(largest, num_rows) // step * step, 0, -step)
+  if not sizes:
+    return multiple
+  return min(sizes, key=lambda c: -(-num_rows // c) * (c + CHUNK_COST_ROWS))
 
 
 def softmax_scales(spec: objectives.LossSpec) -> tuple:
@@ -107,19 +123,36 @@ def _gather_rows(logits_CxV, ids_CxK, labels_C):
   return zk_CxK, zl_C
 
 
-def chunk_terms(hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, exp_pass, dtype):
-  """Logits of one chunk, one exp_pass over them, and the loss terms.
+def logits_project(exp_pass: Callable) -> Callable:
+  """A chunk's projection with its float32 logits materialised: XLA's matmul, the top-k and
+  label logits gathered from it (exact), then one exp_pass over it shifted by their maximum.
+
+  project(h [C, D], W [D, V], ids [C, K], labels [C], spec, dtype)
+      -> (logits [C, V] or None, E or None, sums, shift [C], zk [C, K], zl [C])
+  with E = exp((z - shift) / tau) in dtype (None if dtype is None) and sums per softmax_scales.
+  """
+
+  def project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype):
+    logits_CxV = jnp.einsum("cd,dv->cv", hidden_CxD, lm_head_DxV,
+                            preferred_element_type=jnp.float32)
+    zk_CxK, zl_C = _gather_rows(logits_CxV, ids_CxK, labels_C)
+    hint_C = jnp.max(zk_CxK, axis=-1)
+    if spec.has_labels:
+      hint_C = jnp.maximum(hint_C, zl_C)
+    e_CxV, sums, shift_C = exp_pass(logits_CxV, hint_C, softmax_scales(spec), dtype)
+    return logits_CxV, e_CxV, sums, shift_C, zk_CxK, zl_C
+
+  return project
+
+
+def chunk_terms(hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, project, dtype):
+  """One chunk's projection (a `project` as from logits_project) and its loss terms.
 
   dtype: the matmul dtype if E is wanted (gradients with a one-softmax dense part), else None.
-  Returns (logits, E or None, sums, gathered (zk, zl, lse_s, lse_z), terms).
+  Returns (logits or None, E or None, sums, gathered (zk, zl, lse_s, lse_z), terms).
   """
-  logits_CxV = jnp.einsum("cd,dv->cv", hidden_CxD, lm_head_DxV,
-                          preferred_element_type=jnp.float32)
-  zk_CxK, zl_C = _gather_rows(logits_CxV, ids_CxK, labels_C)
-  hint_C = jnp.max(zk_CxK, axis=-1)
-  if spec.has_labels:
-    hint_C = jnp.maximum(hint_C, zl_C)
-  e_CxV, sums, shift_C = exp_pass(logits_CxV, hint_C, softmax_scales(spec), dtype)
+  logits_CxV, e_CxV, sums, shift_C, zk_CxK, zl_C = project(hidden_CxD, lm_head_DxV, ids_CxK,
+                                                           labels_C, spec, dtype)
   lse_s_C, lse_z_C = normalisers(sums, shift_C, spec)
   terms = objectives.row_terms(zk_CxK, zl_C, lse_s_C, lse_z_C, logp_CxK, spec)
   return logits_CxV, e_CxV, sums, (zk_CxK, zl_C, lse_s_C, lse_z_C), terms
@@ -165,7 +198,7 @@ def accumulate_dw(dw_DxV, hidden_CxD, dz_CxV):
 
 
 def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
-                 dw_dtype, exp_pass, dense_grad, with_grads):
+                 dw_dtype, project, dense_grad, with_grads):
   """Scan over chunks. Returns (kl_sum, ce_sum) weighted by w, plus (dh, dW) if with_grads;
   dW in dw_dtype."""
   num_rows, _ = hidden_NxD.shape
@@ -179,7 +212,7 @@ def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec
     ids_CxK, labels_C = take(ids_NxK, start), take(labels_N, start)
     w_C = jnp.where(fresh_C, take(w_N, start), 0.0)
     logits_CxV, e_CxV, sums, gathered, terms = chunk_terms(
-        h_CxD, lm_head_DxV, ids_CxK, take(logp_NxK, start), labels_C, spec, exp_pass, e_dtype)
+        h_CxD, lm_head_DxV, ids_CxK, take(logp_NxK, start), labels_C, spec, project, e_dtype)
     kl, ce = jnp.sum(w_C * terms["kl"]), jnp.sum(w_C * terms["ce"])
     if not with_grads:
       return (carry[0] + kl, carry[1] + ce), None
@@ -202,7 +235,7 @@ def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec
   return carry
 
 
-def build_fused_loss(exp_pass: Callable, dense_grad: Callable):
+def build_fused_loss(project: Callable, dense_grad: Callable):
   """custom_vjp loss (h, W, ids, logp, w, labels, spec, chunk, dw_dtype) -> (loss, kl, ce).
 
   dw_dtype: the dtype dW is accumulated in across chunks (None: lm_head's); returned in
@@ -212,13 +245,13 @@ def build_fused_loss(exp_pass: Callable, dense_grad: Callable):
   @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
   def loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype):
     kl, ce = chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec,
-                          chunk, dw_dtype, exp_pass, dense_grad, with_grads=False)
+                          chunk, dw_dtype, project, dense_grad, with_grads=False)
     return kl + spec.ce_weight * ce, kl, ce
 
   def fwd(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype):
     kl, ce, dh_NxD, dw_DxV = chunked_loss(
         hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
-        dw_dtype or lm_head_DxV.dtype, exp_pass, dense_grad, with_grads=True)
+        dw_dtype or lm_head_DxV.dtype, project, dense_grad, with_grads=True)
     # An empty array carries lm_head's dtype to bwd (residuals must be arrays).
     dtype_tag = jnp.zeros((0,), lm_head_DxV.dtype)
     return (kl + spec.ce_weight * ce, kl, ce), (dh_NxD, dw_DxV, dtype_tag)
@@ -233,7 +266,7 @@ def build_fused_loss(exp_pass: Callable, dense_grad: Callable):
   return loss
 
 
-topk_kl_loss = build_fused_loss(xla_exp_pass, xla_dense_grad)
+topk_kl_loss = build_fused_loss(logits_project(xla_exp_pass), xla_dense_grad)
 
 
 def position_stats(hidden_NxD, lm_head_DxV, ids_NxK, labels_N, chunk):

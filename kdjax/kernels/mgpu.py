@@ -1,0 +1,195 @@
+"""The logits matmul with the softmax numerator in its epilogue: a Pallas Mosaic GPU kernel (Hopper).
+
+    logits_exp(h [M, K], w [K, V], scale, shift [M] | None, e [M, V] ref | None)
+        -> e [M, V] (if not given), sums [V / BN, M], maxima [V / BN, M]
+
+computes x = scale * (h @ w) - shift in a float32 accumulator, tile by tile, and writes from the
+registers: e = exp(x) rounded once to h's dtype (a new array, or into the given jax.Ref in
+place), and per BN-column tile the row sums of exp(x) and the row maxima of x, both float32. The
+[M, V] float32 logits never exist. shift None means 0; a caller whose rows could overflow exp
+(|x| beyond a few tens) repeats them with a shift, into the same e.
+
+Structure: a persistent kernel (one CTA per SM looping over output tiles in a snake order that
+reuses w's column band from L2), a memory warpgroup streaming [2 * BM, BK] and [BK, BN] operand
+tiles through shared memory with TMA, two compute warpgroups each owning BM rows of the
+[2 * BM, BN] tile with wgmma (float32 accumulator), an epilogue storing e through two
+shared-memory slots with TMA. Needs M % (2 * BM) == 0, V % BN == 0, K % BK == 0 (`fits`).
+Off GPU it runs in Mosaic GPU's interpreter, so CPU tests cover the same code.
+
+Measured on an H200 (experiments/mgpu_probe.py, BENCHMARKS.md): at cuBLAS speed, 0.99-1.03x
+XLA's dot with a float32 output, which writes twice the bytes.
+
+Reference: `logits_exp_reference` (XLA). Shape letters: M rows, K contraction (model width),
+V vocabulary, T column tiles.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  bm: int = 128   # rows per compute warpgroup (the CTA tile has 2 * bm rows)
+  bn: int = 128   # columns per tile (the statistics' granularity)
+  bk: int = 64
+  stages: int = 3
+  epi: int = 64   # rows and columns per epilogue store of e
+  group: int = 8  # row tiles visited per column band (w's band is reused from L2)
+
+
+LOG2_E = 1.4426950408889634
+
+GPU_TILES = Tiles()
+# Off GPU (Mosaic GPU's interpreter, for tests) smaller tiles keep padding and time down.
+INTERPRET_TILES = Tiles(bm=64, bn=128, bk=64, stages=2, epi=64, group=2)
+
+
+def _on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+def tiles() -> Tiles:
+  return GPU_TILES if _on_gpu() else INTERPRET_TILES
+
+
+def fits(rows: int, dim: int, vocab: int, t: Tiles | None = None) -> bool:
+  """Whether logits_exp takes these shapes (rows: the multiple of 2 * bm a caller pads to)."""
+  t = t or tiles()
+  return rows % (2 * t.bm) == 0 and vocab % t.bn == 0 and dim % t.bk == 0
+
+
+def logits_exp_reference(h_MxK, w_KxV, scale, shift_M=None, bn=GPU_TILES.bn):
+  """logits_exp in XLA: (e, sums [T, M], maxima [T, M]) from float32 logits."""
+  x_MxV = jnp.dot(h_MxK, w_KxV, preferred_element_type=jnp.float32) * scale
+  if shift_M is not None:
+    x_MxV = x_MxV - shift_M[:, None]
+  tiles_MxTxB = x_MxV.reshape(x_MxV.shape[0], -1, bn)
+  return (jnp.exp(x_MxV).astype(h_MxK.dtype), jnp.sum(jnp.exp(tiles_MxTxB), -1).T,
+          jnp.max(tiles_MxTxB, -1).T)
+
+
+def _interpret_params():
+  if _on_gpu():
+    return None
+  from jax._src.pallas.mosaic_gpu.interpret import params  # CPU: Mosaic GPU's interpreter
+  return params.InterpretGPUParams()
+
+
+def _num_sms():
+  return jax.devices()[0].core_count if _on_gpu() else 2
+
+
+def _kernel(*refs, t: Tiles, scale: float, shifted: bool):
+  h_gmem, w_gmem, *refs = refs
+  shift_gmem = refs.pop(0) if shifted else None
+  e_gmem, sum_gmem, max_gmem = refs  # e: the last input (a ref updated in place) or an output
+  m, k = h_gmem.shape
+  cta_m = 2 * t.bm
+  m_tiles, n_tiles, k_steps = m // cta_m, w_gmem.shape[1] // t.bn, k // t.bk
+  dtype = h_gmem.dtype
+
+  def smem_transforms(width, item):
+    swizzle = plgpu.find_swizzle(width * item * 8)
+    return (plgpu.TilingTransform((8, swizzle // item)), plgpu.SwizzleTransform(swizzle))
+
+  in_transforms = smem_transforms(t.bk, dtype.itemsize)
+
+  def pipeline(body, context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_steps,), memory_registers=40,
+        in_specs=[
+            plgpu.BlockSpec((cta_m, t.bk), lambda ki: (0, ki), transforms=in_transforms,
+                            memory_space=plgpu.SMEM),
+            plgpu.BlockSpec((t.bk, t.bn), lambda ki: (ki, 0), transforms=in_transforms,
+                            memory_space=plgpu.SMEM),
+        ],
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=t.stages, compute_context=context)
+
+  noop = lambda *_, **__: None
+
+  @functools.partial(
+      pl.run_scoped,
+      allocs=pipeline(noop, noop).get_allocations(h_gmem, w_gmem),
+      # Per compute warpgroup two slots each: one is filled while the other's copy runs.
+      e_smem=plgpu.SMEM((2, 2, t.epi, t.epi), dtype,
+                        transforms=smem_transforms(t.epi, dtype.itemsize)),
+      stat_smem=plgpu.SMEM((2, 2, t.bm), jnp.float32),
+      collective_axes="wg")
+  def _scope(allocs, e_smem, stat_smem):
+    wg = lax.axis_index("wg")
+
+    @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+    def _tile_loop(info):
+      (tile,) = info.index
+      mi, ni = plgpu.planar_snake(tile, (m_tiles, n_tiles), 0, t.group)
+      row0 = mi * cta_m + wg * t.bm
+      rows = pl.ds(row0, t.bm)
+
+      def store_e(e_tile):
+        """e_tile [bm, bn] in sub-tiles of [epi, epi] through two shared-memory slots."""
+        count = 0
+        for i in range(t.bm // t.epi):
+          for j in range(t.bn // t.epi):
+            slot = count % 2
+            count += 1
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            e_smem[wg, slot] = e_tile[i * t.epi:(i + 1) * t.epi, j * t.epi:(j + 1) * t.epi]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                e_smem.at[wg, slot],
+                e_gmem.at[pl.ds(row0 + i * t.epi, t.epi), pl.ds(ni * t.bn + j * t.epi, t.epi)])
+
+      def context(run):
+        @functools.partial(pl.run_scoped, acc=plgpu.ACC((t.bm, t.bn), jnp.float32))
+        def _acc(acc):
+          run(acc)
+          x2 = acc[...] * (scale * LOG2_E)  # exp(x) = exp2(x * log2(e)): one ex2 per entry
+          if shifted:  # only on the rare repeat of a chunk: a plain load will do
+            shift = plgpu.load(shift_gmem.at[rows], optimized=False) * LOG2_E
+            x2 = x2 - lax.broadcast_in_dim(shift, (t.bm, t.bn), [0])
+          ex = jnp.exp2(x2)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          stat_smem[wg, 0] = jnp.sum(ex, axis=1)
+          stat_smem[wg, 1] = jnp.max(x2, axis=1) * (1 / LOG2_E)
+          store_e(ex.astype(dtype))
+          plgpu.copy_smem_to_gmem(stat_smem.at[wg, 0], sum_gmem.at[ni, rows])
+          plgpu.copy_smem_to_gmem(stat_smem.at[wg, 1], max_gmem.at[ni, rows])
+
+      def mma(_, h_smem, w_smem, acc):
+        plgpu.wgmma(acc, h_smem.at[pl.ds(wg * t.bm, t.bm)], w_smem)
+        plgpu.wgmma_wait(0)
+        return acc
+
+      pipeline(mma, context)(
+          h_gmem.at[pl.ds(mi * cta_m, cta_m), :],
+          w_gmem.at[:, pl.ds(ni * t.bn, t.bn)],
+          allocations=allocs)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def logits_exp(h_MxK, w_KxV, scale: float, shift_M=None, e_ref=None, t: Tiles | None = None):
+  """See the module doc. e_ref: None (a new e is returned first) or a jax.Ref written in place."""
+  t = t or tiles()
+  (m, k), vocab = h_MxK.shape, w_KxV.shape[1]
+  if not fits(m, k, vocab, t) or h_MxK.dtype != w_KxV.dtype:
+    raise ValueError(f"logits_exp needs rows % {2 * t.bm} == 0, vocabulary % {t.bn} == 0, width "
+                     f"% {t.bk} == 0 and one dtype; got h {h_MxK.shape} {h_MxK.dtype}, w "
+                     f"{w_KxV.shape} {w_KxV.dtype}")
+  stats = jax.ShapeDtypeStruct((vocab // t.bn, m), jnp.float32)
+  out_type = (stats, stats)
+  if e_ref is None:
+    out_type = (jax.ShapeDtypeStruct((m, vocab), h_MxK.dtype),) + out_type
+  kernel = functools.partial(_kernel, t=t, scale=float(scale), shifted=shift_M is not None)
+  call = plgpu.kernel(
+      kernel, out_type=out_type, grid=(_num_sms(),), grid_names=("sm",), num_threads=3,
+      thread_name="wg", interpret=_interpret_params(),
+      compiler_params=plgpu.CompilerParams(
+          approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  args = (h_MxK, w_KxV) + (() if shift_M is None else (shift_M.astype(jnp.float32),))
+  return call(*args, *(() if e_ref is None else (e_ref,)))
