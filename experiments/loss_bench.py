@@ -310,8 +310,8 @@ def dwcheck(specs):
       grads[dw_dtype] = [g.astype(jnp.float32) for g in step(hidden, lm_head)]
       del step
     rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-    from kdjax.kernels import objectives, pallas
-    chunk = pallas.default_chunk(int(tokens), *SHAPES[shape], jnp.bfloat16,
+    from kdjax.kernels import fused, objectives
+    chunk = fused.default_chunk(int(tokens), *SHAPES[shape], jnp.bfloat16,
                                  objectives.LossSpec("tail", 1.0, 0.0, False))
     print("DWCHECK " + json.dumps(dict(
         shape=shape, tokens=int(tokens), chunk=chunk, chunks=-(-int(tokens) // chunk),

@@ -87,8 +87,9 @@ def base() -> ml_collections.ConfigDict:
   c.loss.objective = "sparse"  # "sparse" (paper), "tail" (+ one bucket for 1 - top-k mass), "renorm"
   c.loss.temperature = 1.0  # softening; see kdjax.kernels for the exact definition
   c.loss.ce_weight = 0.0  # weight of hard-label cross-entropy mixed into the distillation loss
-  c.loss.impl = "auto"  # "auto" (pallas on GPU, xla on CPU), "xla", "pallas", "pallas_exact", "paper", "reference"
-  c.loss.chunk_size = 0  # positions per loss chunk (bounds the [C, V] working set); 0: sized by the kernel
+  # "auto" (pallas on GPU, xla on CPU), "xla", "pallas", "pallas_exact", "paper", "reference"
+  c.loss.impl = "auto"
+  c.loss.chunk_size = 0  # positions per loss chunk (bounds the [C, V] working set); 0: automatic
   c.loss.dw_dtype = "float32"  # lm_head gradient accumulated across chunks in: "float32", "bfloat16"
 
   c.opt = opt_group()  # student training (stages "train" and "baseline")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kdjax import kernels
-from kdjax.kernels import mgpu, objectives, pallas, xla
+from kdjax.kernels import fused, mgpu, objectives, pallas, xla
 
 # Tolerances, once per input dtype; never loosen. bf16 gradients carry the bf16 rounding of dL/dz
 # before the gradient matmuls, of the outputs, and of dW accumulated chunk by chunk.
@@ -63,11 +63,11 @@ def bf16(x):
 
 
 def read_back(z, tau):
-  """The logits impl "pallas" reads back on its fused path (kdjax.kernels.pallas.fused_project):
+  """The logits impl "pallas" reads back on its fused path (kdjax.kernels.fused.fused_project):
   tau * (shift + log E) with E = exp(z / tau - shift) rounded to bf16, shift 0 unless the row's
   maximum leaves [SAFE_LOW, SAFE_HIGH]; exact where E is below the smallest normal float."""
   top = np.max(z / tau, axis=-1, keepdims=True)
-  shift = np.where((top < pallas.SAFE_LOW) | (top > pallas.SAFE_HIGH), top, 0.0)
+  shift = np.where((top < fused.SAFE_LOW) | (top > fused.SAFE_HIGH), top, 0.0)
   e = bf16(np.exp(z / tau - shift))
   tiny = np.finfo(np.float32).tiny
   return np.where(e < tiny, z, tau * (shift + np.log(np.maximum(e, tiny))))
@@ -283,16 +283,16 @@ def test_pallas_fused_path_large_logits_and_few_rows():
 def test_pallas_fused_chunk_sizes(monkeypatch):
   """On the GPU (256-row multiples): chunks tile the rows, E fits a sixth of the memory the
   loss cannot avoid (or 768 MiB), and balanced chunks leave no rows recomputed at A/32K."""
-  monkeypatch.setattr(pallas, "row_multiple", lambda: 256)
+  monkeypatch.setattr(fused, "row_multiple", lambda: 256)
   spec = objectives.LossSpec("sparse", 1.0, 0.0, False)
   for tokens, dim, vocab in ((32768, 4096, 131072), (262144, 4096, 131072), (4000, 2880, 201088)):
-    chunk = pallas.default_chunk(tokens, dim, vocab, jnp.bfloat16, spec)
+    chunk = fused.default_chunk(tokens, dim, vocab, jnp.bfloat16, spec)
     unavoidable = 4 * (tokens * dim + dim * vocab)
     assert chunk % 256 == 0 and chunk <= tokens
     assert 2 * chunk * vocab <= max(xla.MIN_WORKING_SET_BYTES, unavoidable / 6)
-  assert pallas.default_chunk(32768, 4096, 131072, jnp.bfloat16, spec) == 2048
+  assert fused.default_chunk(32768, 4096, 131072, jnp.bfloat16, spec) == 2048
   two_softmax = objectives.LossSpec("sparse", 2.0, 0.0, True)
-  assert pallas.default_chunk(32768, 4096, 131072, jnp.bfloat16, two_softmax) == 1024
+  assert fused.default_chunk(32768, 4096, 131072, jnp.bfloat16, two_softmax) == 1024
 
 
 @pytest.mark.parametrize("impl", CHUNKED)

@@ -24,9 +24,14 @@ z = hidden . lm_head over the FULL vocabulary (float32 accumulation):
 Precision: logits and everything after them are float32; the gradient matmuls take dL/dz rounded
 once to the promoted dtype of hidden and lm_head (pass both in bf16 for speed), and the chunked
 impls accumulate dlm_head across chunks in `dw_dtype`: lm_head's dtype by default (one rounding
-per chunk, as peers do), or float32 (rounded once at the end, 4 * D * V more bytes).
-Memory (chunked impls): hidden, lm_head, their gradients, plus one chunk's [C, V] float32 logits
-and their gradient; C defaults to xla.default_chunk.
+per chunk, as peers do), or float32 (rounded once at the end, 4 * D * V more bytes). One
+exception, impl "pallas" on bf16 (kernels.fused): its softmax normalisers are float32, but the
+student's logits at the top-k ids and label are read back from bf16 exp(z / tau), so each q_k
+carries up to 2^-8 relative error (the loss per position up to ~2^-8 * tau^2 nats); measured not
+to change what a student learns (BENCHMARKS.md). impl "pallas_exact" is exact there.
+Memory (chunked impls): hidden, lm_head, their gradients, plus one chunk's working set: its
+[C, V] float32 logits and their gradient (bf16), or on impl "pallas" the gradient alone; C is
+sized to the memory by default (xla.default_chunk, fused.default_chunk).
 
 Shape letters: N flattened positions, D model width, V vocabulary, K cached entries.
 """
@@ -43,10 +48,11 @@ def _fused_impl(impl: str):
     impl = "pallas" if jax.default_backend() == "gpu" else "xla"
   if impl == "xla":
     return xla.topk_kl_loss, xla.default_chunk
-  if impl in ("pallas", "pallas_exact"):
+  if impl == "pallas":
+    from kdjax.kernels import fused
+    return fused.topk_kl_loss, fused.default_chunk
+  if impl == "pallas_exact":
     from kdjax.kernels import pallas
-    if impl == "pallas_exact":
-      return pallas.topk_kl_loss_exact, xla.default_chunk
     return pallas.topk_kl_loss, pallas.default_chunk
   if impl == "paper":
     from kdjax.kernels import paper
@@ -97,7 +103,7 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
     temperature: tau > 0, a Python number.
     labels: [...] int next-token ids for the cross-entropy term, or None.
     ce_weight: weight of the cross-entropy term (needs labels).
-    impl: "auto" | "reference" | "xla" | "pallas" | "paper".
+    impl: "auto" | "reference" | "xla" | "pallas" | "pallas_exact" | "paper".
     chunk_size: positions per chunk for the chunked impls (None: sized to the vocabulary).
     dw_dtype: dtype the chunked impls accumulate dlm_head in (None: lm_head's; "float32").
     return_aux: also return {"kl": mean KL term, "ce": mean CE} (no gradient through these).

@@ -1,4 +1,4 @@
-"""The logits matmul with the softmax numerator in its epilogue: a Pallas Mosaic GPU kernel (Hopper).
+"""The logits matmul with the softmax numerator in its epilogue: a Mosaic GPU kernel (Hopper).
 
     logits_exp(h [M, K], w [K, V], scale, shift [M] | None, e [M, V] ref | None)
         -> e [M, V] (if not given), sums [V / BN, M], maxima [V / BN, M]

@@ -18,7 +18,8 @@ softmaxes in dL/dz: there the pass only sums and a second pass (`dense_grad`) wr
 
 Chunks never pad the big arrays: chunk i starts at min(i * C, N - C), so the last chunk overlaps
 the previous one and its already-counted rows get weight 0 (and keep their dh); default_chunk
-picks C to keep that overlap small. The same driver serves impl="pallas", which swaps in its own `project`.
+picks C to keep that overlap small. The same driver serves impls "pallas" (kernels.fused) and
+"pallas_exact" (kernels.pallas), which swap in their own `project`.
 
 Shape letters: N positions, C chunk, D model width, V vocabulary, K cached entries, E entries.
 """

@@ -1,0 +1,157 @@
+"""impl="pallas": the chunked fused loss with the logits matmul and exp fused into one kernel.
+
+Per chunk of C positions (the driver is kdjax.kernels.xla.chunked_loss, gradients computed in
+the forward pass) three [C, D] x [D, V] matmuls run, the work floor: the logits, then dh and dW
+from dL/dz = r * E (+ K exact entries), r a per-row scale the two gradient matmuls (cuBLAS)
+absorb. Here the first is mgpu.logits_exp, a Mosaic GPU (Hopper) matmul that writes
+E = exp(z / tau) in bf16 and per-tile row sums straight from its float32 accumulator: the [C, V]
+float32 logits never exist, the working set is E alone (2 bytes per [C, V] element, against 6
+on the two-kernel path, kdjax.kernels.pallas), so chunks are 3x larger in the same memory
+(fewer dW read-modify-writes), and no pass over the logits is left.
+
+The price: the top-k and label logits are read back from E (fused_project), with up to 2^-8
+relative error in each q_k (bf16's rounding) where the two-kernel path is exact to float32; the
+softmax normalisers come from the kernel's float32 sums and are exact, entries far below their
+row's maximum are recomputed exactly. Measured not to change what a student learns
+(BENCHMARKS.md); impl "pallas_exact" keeps the exact path.
+
+Applies to bf16 matmuls with V % 128 == 0 and D % 64 == 0 and one softmax in dL/dz (not CE at
+tau != 1); other chunks take the two-kernel path. Off GPU the kernel runs in Mosaic GPU's
+interpreter, so CPU tests cover the same code.
+
+Measured on an H200 (BENCHMARKS.md, run 13; D 4096, V 131072, bf16, K 100): 32K tokens in
+159 ms (0.94x Liger-Kernel's cross-entropy in the same run) at 3.1 GiB of program memory, 256K
+in 1.29 s (0.99x) at 7.3 GiB.
+
+Shape letters: N positions, C chunk of positions, D model width, V vocabulary, K cached
+entries, T column tiles, J gathered entries per row, F entries per step.
+"""
+import jax
+import jax.numpy as jnp
+
+from kdjax.kernels import mgpu, objectives, pallas, xla
+
+# The fused path (see fused_project) shifts a chunk's rows by 0 and repeats the chunk with each
+# row shifted by its maximum when some row's max z / tau lies outside [SAFE_LOW, SAFE_HIGH]: then
+# exp never overflows (sums <= V e^64), and entries down to ~60 below the maximum stay normal
+# floats (bf16 and float32 share the exponent range), i.e. every q >= e^-60 keeps full precision.
+SAFE_LOW, SAFE_HIGH = -24.0, 64.0
+# The fused path's working set per [C, V] element is E alone (2 bytes; else z and E, 6 bytes),
+# and its chunk temporaries beyond E take ~0.3 of E: so a sixth of the unavoidable memory
+# (xla.default_chunk) keeps A/256K (D 4096, V 131072) under 7.5 GiB, with chunk 4096.
+FUSED_ENTRY_BYTES = 2
+FUSED_SHARE = 1 / 6
+FUSED_MAX_CHUNK = 3 * xla.MAX_CHUNK
+# Entries per step of exact_logits_where.
+EXACT_BATCH = 1024
+
+
+def applies(spec: objectives.LossSpec, dtype, dim: int, vocab: int) -> bool:
+  """Whether a chunk goes through the fused kernel: bf16 matmuls, one softmax (not CE at
+  tau != 1), and shapes the kernel tiles (vocab % 128, width % 64)."""
+  return (jnp.dtype(dtype) == jnp.bfloat16 and not spec.two_softmax
+          and mgpu.fits(row_multiple(), dim, vocab))
+
+
+def row_multiple() -> int:
+  return 2 * mgpu.tiles().bm
+
+
+def default_chunk(num_rows: int, dim: int, vocab: int, dtype, spec=None) -> int:
+  """xla.default_chunk for the working set of the path the chunk takes; on the fused path a
+  multiple of row_multiple() (topk_kl_loss rounds other chunk sizes down to one)."""
+  if spec is not None and applies(spec, dtype, dim, vocab):
+    mult = row_multiple()
+    return xla.default_chunk(num_rows, dim, vocab, dtype,
+                             entry_bytes=FUSED_ENTRY_BYTES, share=FUSED_SHARE,
+                             max_chunk=FUSED_MAX_CHUNK, multiple=mult)
+  return xla.default_chunk(num_rows, dim, vocab, dtype)
+
+
+def fused_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype):
+  """xla.logits_project's contract from one kernel: the logits matmul writes E = exp(z / tau)
+  in bf16 and per-tile row sums and maxima (mgpu.logits_exp); no [C, V] float32 array exists.
+
+  Shift 0, unless a row's maximum leaves [SAFE_LOW, SAFE_HIGH] (in z / tau): then the chunk is
+  computed again, each row shifted by its maximum, into the same E (a while loop run 0 or 1
+  times). The top-k and label logits are read back from E, z = shift + tau * log(E): up to 2^-8
+  relative error in each q_k (bf16's rounding) instead of float32's; the normalisers come from
+  the kernel's float32 sums and are exact.
+  """
+  del dtype  # E is written either way: the logits are read back from it
+  tau = spec.temperature
+  e_CxV, sum_TxC, max_TxC = mgpu.logits_exp(hidden_CxD, lm_head_DxV, 1.0 / tau)
+  top_C = jnp.max(max_TxC, axis=0)
+  unsafe_C = (top_C < SAFE_LOW) | (top_C > SAFE_HIGH)
+  shift_C = jnp.where(unsafe_C, top_C, 0.0)  # in units of z / tau
+  e_ref = jax.new_ref(e_CxV)
+
+  def repeat(carry):
+    sum_TxC, _ = mgpu.logits_exp(hidden_CxD, lm_head_DxV, 1.0 / tau, shift_C, e_ref)
+    return carry[0] + 1, jnp.sum(sum_TxC, axis=0)
+
+  _, sum_C = jax.lax.while_loop(lambda carry: carry[0] < jnp.any(unsafe_C).astype(jnp.int32),
+                                repeat, (jnp.int32(0), jnp.sum(sum_TxC, axis=0)))
+  e_CxV = jax.freeze(e_ref)
+  ids_CxJ = jnp.concatenate([ids_CxK, labels_C[:, None]], axis=-1)
+  e_CxJ = jnp.take_along_axis(e_CxV, ids_CxJ, axis=-1).astype(jnp.float32)
+  tiny = jnp.finfo(jnp.float32).tiny  # bf16's smallest normal too
+  z_CxJ = tau * (shift_C[:, None] + jnp.log(jnp.maximum(e_CxJ, tiny)))
+  z_CxJ = exact_logits_where(e_CxJ < tiny, z_CxJ, hidden_CxD, lm_head_DxV, ids_CxJ)
+  return None, e_CxV, (sum_C,), tau * shift_C, z_CxJ[:, :-1], z_CxJ[:, -1]
+
+
+def exact_logits_where(todo_CxJ, z_CxJ, hidden_CxD, lm_head_DxV, ids_CxJ):
+  """z with the entries where todo holds replaced by exact dot products h_c . W[:, id], at most
+  EXACT_BATCH per loop step; no step runs when nothing is to do. (Entries of E below the
+  smallest normal float lie over 60 nats under their row's maximum, where the read-back from E
+  would lose precision or floor; rare, but their losses must stay exact.)"""
+  rows, width = todo_CxJ.shape
+
+  def step(carry):
+    z_CxJ, todo_CxJ = carry
+    flat_F = jnp.nonzero(todo_CxJ.reshape(-1), size=EXACT_BATCH, fill_value=rows * width)[0]
+    valid_F = flat_F < rows * width
+    r_F, j_F = jnp.minimum(flat_F, rows * width - 1) // width, flat_F % width
+    ids_F = ids_CxJ[r_F, j_F]
+    z_F = jnp.einsum("fd,df->f", hidden_CxD[r_F], lm_head_DxV[:, ids_F],
+                     preferred_element_type=jnp.float32)
+    r_F = jnp.where(valid_F, r_F, rows)  # out of bounds: dropped
+    z_CxJ = z_CxJ.at[r_F, j_F].set(z_F, mode="drop")
+    return z_CxJ, todo_CxJ.at[r_F, j_F].set(False, mode="drop")
+
+  return jax.lax.while_loop(lambda carry: jnp.any(carry[1]), step, (z_CxJ, todo_CxJ))[0]
+
+
+exact_project = xla.logits_project(pallas.exp_pass)
+
+
+def project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype):
+  """fused_project where it `applies` and the chunk tiles, else exact_project."""
+  (rows, dim), vocab = hidden_CxD.shape, lm_head_DxV.shape[1]
+  matmul_dtype = jnp.promote_types(hidden_CxD.dtype, lm_head_DxV.dtype)
+  if applies(spec, matmul_dtype, dim, vocab) and rows % row_multiple() == 0:
+    return fused_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype)
+  return exact_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype)
+
+
+_loss = xla.build_fused_loss(project, pallas.dense_grad)
+
+
+def topk_kl_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
+                 dw_dtype):
+  """The chunked loss (xla.build_fused_loss's contract) on the fused path where it applies: the
+  chunk is rounded down to a multiple of row_multiple() and fewer rows are padded to one (padded
+  rows weigh 0; the padding's own gradient drops them)."""
+  (num_rows, dim), vocab = hidden_NxD.shape, lm_head_DxV.shape[1]
+  dtype = jnp.promote_types(hidden_NxD.dtype, lm_head_DxV.dtype)
+  if applies(spec, dtype, dim, vocab):
+    mult = row_multiple()
+    pad = max(0, mult - num_rows)
+    if pad:
+      padded = lambda x: jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+      hidden_NxD, ids_NxK, logp_NxK, w_N, labels_N = (
+          padded(x) for x in (hidden_NxD, ids_NxK, logp_NxK, w_N, labels_N))
+    chunk = max(mult, min(chunk, num_rows + pad) // mult * mult)
+  return _loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
+                     dw_dtype)
