@@ -8,12 +8,14 @@ from configs import demo
 from kdjax import pipeline
 
 
-def parse_args(doc: str, out: str) -> argparse.Namespace:
-  """--seeds (comma-separated) and --out (default out) for an A/B script whose help is doc."""
+def parse_args(doc: str, out: str, add_arguments=lambda parser: None) -> argparse.Namespace:
+  """--seeds (comma-separated) and --out (default out) for an A/B script whose help is doc, plus
+  whatever add_arguments(parser) adds."""
   parser = argparse.ArgumentParser(description=doc,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--seeds", default="0,1")
   parser.add_argument("--out", default=out)
+  add_arguments(parser)
   args = parser.parse_args()
   args.seeds = [int(x) for x in args.seeds.split(",")]
   return args

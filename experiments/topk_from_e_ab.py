@@ -7,7 +7,7 @@ q_k, which then enters the loss and the exact dL/dz entries a * q_k - p_k. This 
 student (configs/demo.py, bf16 matmuls) both ways, impl "xla" with that recovery patched in
 (arm "from_e") or not ("exact"), per seed, and prints the held-out KL and CE.
 
-    python experiments/topk_from_e_ab.py [--seeds 0,1] [--out runs/topk_from_e_ab]
+    python -m experiments.topk_from_e_ab [--seeds 0,1] [--out runs/topk_from_e_ab]
 """
 import jax.numpy as jnp
 
