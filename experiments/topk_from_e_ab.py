@@ -1,7 +1,7 @@
 """Would top-k student logits read back from the bf16 softmax numerator E be accurate enough?
 
 A kernel that writes only E = exp(z / tau - shift) in bf16 from the logits matmul (see
-experiments/mgpu_logits.py) cannot also hand out the exact float32 logits at the teacher's top-k
+kdjax/kernels/mgpu.py) cannot also hand out the exact float32 logits at the teacher's top-k
 ids; they would be recovered as shift + tau * log(E), with up to 2^-9 relative error in each
 q_k, which then enters the loss and the exact dL/dz entries a * q_k - p_k. This distils the demo
 student (configs/demo.py, bf16 matmuls) both ways, impl "xla" with that recovery patched in

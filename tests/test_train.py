@@ -136,3 +136,34 @@ def test_to_step_batch_shapes_and_one_hot_teacher():
   np.testing.assert_array_equal(batch["topk_ids"][..., 0], batch["labels"])
   np.testing.assert_array_equal(batch["labels"][0, 0, :-1], rows["tokens"][0, 1:])
   assert dataclasses.is_dataclass(train.LossSettings.from_config(config.base().loss, True))
+
+
+def test_fused_loss_impl_in_the_train_step():
+  """impl "pallas" (on CPU its Mosaic GPU kernel runs in the interpreter) inside the training
+  loss, bf16 compute with float32 parameters: same loss and parameter gradients as impl "xla"."""
+  vocab, seq = 128, 64  # the fused kernel tiles: vocab % 128, d_model % 64, rows % 128
+  cfg = tiny_model_cfg(vocab_size=vocab, d_model=64, dtype="bfloat16")
+  graphdef, params = nnx.split(llama.Transformer(cfg, rngs=nnx.Rngs(0)))
+  rng = np.random.default_rng()
+  tokens = rng.integers(0, vocab, (2, seq)).astype(np.int32)
+  logits = rng.normal(size=(2, seq, vocab)) * 3.0
+  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  ids = np.argsort(-logp, axis=-1)[..., :100].astype(np.int32)
+  batch = {"tokens": tokens, "positions": np.broadcast_to(np.arange(seq, dtype=np.int32),
+                                                            (2, seq)).copy(),
+           "segment_ids": np.ones((2, seq), np.int32), "loss_mask": rng.random((2, seq)) < 0.9,
+           "labels": train.next_token_labels(tokens), "topk_ids": ids,
+           "topk_logprobs": np.take_along_axis(logp, ids, -1).astype(np.float32)}
+  out = {}
+  for impl in ("xla", "pallas"):
+    settings = train.LossSettings("tail", 1.0, 0.2, impl, 0, "float32")
+    out[impl] = jax.jit(jax.value_and_grad(train.loss_fn, has_aux=True),
+                        static_argnums=(1, 3))(params, graphdef, batch, settings)
+  (loss_x, _), grads_x = out["xla"]
+  (loss_p, _), grads_p = out["pallas"]
+  # bf16 activations and gradients; "pallas" also reads its top-k logits back from bf16 exp
+  # (up to 2^-8 per position), averaged over ~115 positions here.
+  assert abs(float(loss_p) - float(loss_x)) <= 1e-3 * abs(float(loss_x))
+  flat_x, flat_p = (np.concatenate([np.ravel(g) for g in jax.tree.leaves(t)])
+                    for t in (grads_x, grads_p))
+  assert np.linalg.norm(flat_p - flat_x) <= 2e-2 * np.linalg.norm(flat_x)
