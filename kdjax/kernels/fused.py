@@ -153,5 +153,4 @@ def topk_kl_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec
       hidden_NxD, ids_NxK, logp_NxK, w_N, labels_N = (
           padded(x) for x in (hidden_NxD, ids_NxK, logp_NxK, w_N, labels_N))
     chunk = max(mult, min(chunk, num_rows + pad) // mult * mult)
-  return _loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
-                     dw_dtype)
+  return _loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype)
