@@ -316,6 +316,7 @@ def test_default_chunk_grows_with_memory():
   assert small % 128 == 0 and large % 128 == 0 and 6 * small * 131072 <= 2**30
   assert small < large <= xla.MAX_CHUNK
   assert xla.default_chunk(5, 16, 300, jnp.float32) == 5
+  assert xla.default_chunk(4096, 64, 8 * 2**20, jnp.bfloat16) == 128  # a huge vocabulary: one tile
 
 
 @pytest.mark.parametrize("impl", IMPLS)

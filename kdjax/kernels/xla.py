@@ -61,10 +61,10 @@ def default_chunk(num_rows: int, dim: int, vocab: int, dtype, spec=None, entry_b
   del spec
   unavoidable = 2 * jnp.dtype(dtype).itemsize * (num_rows * dim + dim * vocab)
   budget = max(MIN_WORKING_SET_BYTES, share * unavoidable)
-  largest = min(int(budget // (entry_bytes * vocab)), max_chunk)
+  step = max(multiple, 128)
+  largest = max(min(int(budget // (entry_bytes * vocab)), max_chunk), step)
   if num_rows <= largest and num_rows % multiple == 0:
     return num_rows
-  step = max(multiple, 128)
   sizes = range(min(largest, num_rows) // step * step, 0, -step)
   if not sizes:
     return multiple
