@@ -18,9 +18,10 @@ from kdjax.kernels import objectives, xla
 def from_e(chunk_terms):
   """chunk_terms with the top-k and label logits recovered from the bf16 E (when E exists)."""
 
-  def patched(hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, exp_pass, dtype):
+  def patched(hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, project, dtype,
+              stats=False):
     logits_CxV, e_CxV, sums, gathered, terms = chunk_terms(
-        hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, exp_pass, dtype)
+        hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, project, dtype, stats)
     if e_CxV is None:
       return logits_CxV, e_CxV, sums, gathered, terms
     _, _, lse_s_C, lse_z_C = gathered

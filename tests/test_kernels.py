@@ -128,8 +128,12 @@ def numpy_loss(inputs, objective, temperature, ce_weight, readback=False):
   loss = np.sum(np.where(mask, kl + ce_weight * ce, 0.0)) / count
   dz = dz * (mask / count)[:, None]
   dh = (dz @ w.T).reshape(inputs["hidden"].shape)
+  teacher_top = np.take_along_axis(ids, np.argmax(logp, axis=-1)[:, None], -1)[:, 0]
+  top_gap = np.max(z, axis=-1) - z[np.arange(n), teacher_top]
+  positions = dict(kl=kl, ce=ce, entropy=-np.sum(q * logq, axis=-1), top1=top_gap == 0,
+                   top_gap=top_gap)
   return dict(loss=loss, kl=np.sum(np.where(mask, kl, 0)) / count,
-              ce=np.sum(np.where(mask, ce, 0)) / count, dh=dh, dw=h.T @ dz)
+              ce=np.sum(np.where(mask, ce, 0)) / count, dh=dh, dw=h.T @ dz, positions=positions)
 
 
 def run_loss(inputs, cotangent, **kw):
@@ -293,6 +297,45 @@ def test_pallas_fused_chunk_sizes(monkeypatch):
   assert fused.default_chunk(32768, 4096, 131072, jnp.bfloat16, spec) == 2048
   two_softmax = objectives.LossSpec("sparse", 2.0, 0.0, True)
   assert fused.default_chunk(32768, 4096, 131072, jnp.bfloat16, two_softmax) == 1024
+
+
+@pytest.mark.parametrize("impl,dtype,dim,vocab", [
+    ("reference", jnp.float32, 16, 300), ("xla", jnp.float32, 16, 300),
+    ("pallas_exact", jnp.float32, 16, 300), ("pallas", jnp.bfloat16, 64, 384)])
+def test_per_position_outputs(impl, dtype, dim, vocab):
+  """kl, ce, entropy and top-1 agreement per position, from the loss's own pass."""
+  inputs = make_inputs((2, 150), dim, vocab, 100, dtype)
+  # A teacher that mostly agrees with the student, so both top-1 outcomes occur.
+  teacher = _f64(inputs["hidden"]) @ _f64(inputs["lm_head"]) + _rng().normal(size=(2, 150, vocab))
+  logp = teacher - _lse(teacher)[..., None]
+  ids = np.argsort(-logp, axis=-1)[..., :100]
+  inputs.update(topk_ids=jnp.asarray(ids, jnp.int32),
+                topk_logprobs=jnp.asarray(np.take_along_axis(logp, ids, -1), jnp.float32))
+  want = numpy_loss(inputs, "tail", 1.0, 0.3, readback=impl == "pallas")["positions"]
+  _, aux, _ = run_loss(inputs, 1.0, objective="tail", ce_weight=0.3, impl=impl, chunk_size=256,
+                       per_position=True)
+  got = aux["positions"]
+  assert set(got) == {"kl", "ce", "entropy", "top1"}
+  assert all(x.shape == (2, 150) for x in got.values()) and got["top1"].dtype == bool
+  tol = TOL[dtype]["loss"]
+  for name in ("kl", "ce", "entropy"):
+    err = np.abs(_f64(got[name]).reshape(-1) - want[name]) / np.maximum(np.abs(want[name]), 1.0)
+    assert err.max() <= tol, (name, err.max())
+  # Ties within the read-back's slack (tau * 2^-8) may count as agreement on the fused path.
+  slack = 2.0 ** -8 if impl == "pallas" else 1e-5
+  top1 = np.asarray(got["top1"]).reshape(-1)
+  assert np.all((top1 == want["top1"]) | (want["top_gap"] <= slack)), want["top_gap"][
+      top1 != want["top1"]]
+  assert 0 < top1.sum() < top1.size  # both outcomes occur
+
+
+def test_per_position_needs_aux_and_a_chunked_or_reference_impl():
+  inputs = make_inputs((4,), 8, 130, 3, jnp.float32)
+  args = (inputs["hidden"], inputs["lm_head"], inputs["topk_ids"], inputs["topk_logprobs"],
+          inputs["mask"])
+  for kw in (dict(per_position=True), dict(per_position=True, return_aux=True, impl="paper")):
+    with pytest.raises(ValueError, match="per_position"):
+      kernels.topk_kl_loss(*args, **kw)
 
 
 @pytest.mark.parametrize("impl", CHUNKED)

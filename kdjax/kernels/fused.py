@@ -68,7 +68,7 @@ def default_chunk(num_rows: int, dim: int, vocab: int, dtype, spec=None) -> int:
   return xla.default_chunk(num_rows, dim, vocab, dtype)
 
 
-def fused_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype):
+def fused_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats=False):
   """xla.logits_project's contract from one kernel: the logits matmul writes E = exp(z / tau)
   in bf16 and per-tile row sums and maxima (mgpu.logits_exp); no [C, V] float32 array exists.
 
@@ -80,25 +80,31 @@ def fused_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype):
   """
   del dtype  # E is written either way: the logits are read back from it
   tau = spec.temperature
-  e_CxV, sum_TxC, max_TxC = mgpu.logits_exp(hidden_CxD, lm_head_DxV, 1.0 / tau)
+  e_CxV, sum_TxC, max_TxC, *xex = mgpu.logits_exp(hidden_CxD, lm_head_DxV, 1.0 / tau,
+                                                   with_xex=stats)
   top_C = jnp.max(max_TxC, axis=0)
   unsafe_C = (top_C < SAFE_LOW) | (top_C > SAFE_HIGH)
   shift_C = jnp.where(unsafe_C, top_C, 0.0)  # in units of z / tau
   e_ref = jax.new_ref(e_CxV)
+  row_sums = lambda tiles_TxC: tuple(jnp.sum(x_TxC, axis=0) for x_TxC in tiles_TxC)
 
   def repeat(carry):
-    sum_TxC, _ = mgpu.logits_exp(hidden_CxD, lm_head_DxV, 1.0 / tau, shift_C, e_ref)
-    return carry[0] + 1, jnp.sum(sum_TxC, axis=0)
+    sum_TxC, _, *xex = mgpu.logits_exp(hidden_CxD, lm_head_DxV, 1.0 / tau, shift_C, e_ref,
+                                       with_xex=stats)
+    return carry[0] + 1, row_sums([sum_TxC] + xex)
 
-  _, sum_C = jax.lax.while_loop(lambda carry: carry[0] < jnp.any(unsafe_C).astype(jnp.int32),
-                                repeat, (jnp.int32(0), jnp.sum(sum_TxC, axis=0)))
+  _, (sum_C, *xex_C) = jax.lax.while_loop(
+      lambda carry: carry[0] < jnp.any(unsafe_C).astype(jnp.int32), repeat,
+      (jnp.int32(0), row_sums([sum_TxC] + xex)))
   e_CxV = jax.freeze(e_ref)
   ids_CxJ = jnp.concatenate([ids_CxK, labels_C[:, None]], axis=-1)
   e_CxJ = jnp.take_along_axis(e_CxV, ids_CxJ, axis=-1).astype(jnp.float32)
   tiny = jnp.finfo(jnp.float32).tiny  # bf16's smallest normal too
   z_CxJ = tau * (shift_C[:, None] + jnp.log(jnp.maximum(e_CxJ, tiny)))
   z_CxJ = exact_logits_where(e_CxJ < tiny, z_CxJ, hidden_CxD, lm_head_DxV, ids_CxJ)
-  return None, e_CxV, (sum_C,), tau * shift_C, z_CxJ[:, :-1], z_CxJ[:, -1]
+  # Per-position statistics: a read-back logit may lie up to tau * 2^-8 below its exact value.
+  extra = (tau * top_C, xex_C[0], tau * 2.0 ** -8) if stats else None
+  return None, e_CxV, (sum_C,), tau * shift_C, z_CxJ[:, :-1], z_CxJ[:, -1], extra
 
 
 def exact_logits_where(todo_CxJ, z_CxJ, hidden_CxD, lm_head_DxV, ids_CxJ):
@@ -126,20 +132,20 @@ def exact_logits_where(todo_CxJ, z_CxJ, hidden_CxD, lm_head_DxV, ids_CxJ):
 exact_project = xla.logits_project(pallas.exp_pass)
 
 
-def project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype):
+def project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats=False):
   """fused_project where it `applies` and the chunk tiles, else exact_project."""
   (rows, dim), vocab = hidden_CxD.shape, lm_head_DxV.shape[1]
   matmul_dtype = jnp.promote_types(hidden_CxD.dtype, lm_head_DxV.dtype)
   if applies(spec, matmul_dtype, dim, vocab) and rows % row_multiple() == 0:
-    return fused_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype)
-  return exact_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype)
+    return fused_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats)
+  return exact_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats)
 
 
 _loss = xla.build_fused_loss(project, pallas.dense_grad)
 
 
 def topk_kl_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
-                 dw_dtype):
+                 dw_dtype, per_position=False):
   """The chunked loss (xla.build_fused_loss's contract) on the fused path where it applies: the
   chunk is rounded down to a multiple of row_multiple() and fewer rows are padded to one (padded
   rows weigh 0; the padding's own gradient drops them)."""
@@ -153,4 +159,6 @@ def topk_kl_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec
       hidden_NxD, ids_NxK, logp_NxK, w_N, labels_N = (
           padded(x) for x in (hidden_NxD, ids_NxK, logp_NxK, w_N, labels_N))
     chunk = max(mult, min(chunk, num_rows + pad) // mult * mult)
-  return _loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype)
+  loss, kl, ce, positions = _loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N,
+                                  spec, chunk, dw_dtype, per_position)
+  return loss, kl, ce, tuple(x_N[:num_rows] for x_N in positions)

@@ -90,7 +90,7 @@ def _check_chunk(chunk_size):
 
 def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="sparse",
                  temperature=1.0, labels=None, ce_weight=0.0, impl="auto", chunk_size=None,
-                 dw_dtype=None, return_aux=False):
+                 dw_dtype=None, return_aux=False, per_position=False):
   """Top-k KL distillation loss (module docstring has the definitions).
 
   Args:
@@ -107,6 +107,11 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
     chunk_size: positions per chunk for the chunked impls (None: sized to the vocabulary).
     dw_dtype: dtype the chunked impls accumulate dlm_head in (None: lm_head's; "float32").
     return_aux: also return {"kl": mean KL term, "ce": mean CE} (no gradient through these).
+    per_position: aux also holds "positions": per-position "kl" (the KL term), "ce", "entropy"
+      (of the student softmax at tau, nats) and "top1" (bool: the student's argmax is the
+      teacher's most probable cached id; on impl "pallas"'s read-back, up to tau * 2^-8 short
+      of the student's maximum counts), shaped like mask, from the loss's own pass (not for
+      impl "paper"). Needs return_aux.
   Returns:
     float32 scalar loss, differentiable in hidden and lm_head; (loss, aux) with return_aux.
   """
@@ -125,6 +130,9 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
   if ce_weight != 0.0 and labels is None:
     raise ValueError(f"ce_weight={ce_weight} needs labels")
   _check_chunk(chunk_size)
+  if per_position and (not return_aux or impl == "paper"):
+    raise ValueError("per_position needs return_aux=True and an impl other than 'paper' (the "
+                     "paper's algorithm has no per-position outputs)")
   if dw_dtype is not None:
     dw_dtype = jnp.dtype(dw_dtype)
     if not jnp.issubdtype(dw_dtype, jnp.floating):
@@ -141,21 +149,31 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
   labels_N = (jnp.zeros((num_rows,), jnp.int32) if labels is None
               else labels.reshape(num_rows).astype(jnp.int32))
   zero = jnp.zeros((), jnp.float32)
+  positions = ()
   if num_rows == 0:
     loss, kl, ce = zero, zero, zero
+    positions = tuple(jnp.zeros((0,), bool if name == "top1" else jnp.float32)
+                      for name in xla.POSITION_TERMS)
   elif impl == "reference":
-    loss, kl, ce = reference.topk_kl_loss(hidden_NxD, lm_head, ids_NxK, logp_NxK, mask_N,
-                                          labels_N, spec)
+    loss, kl, ce, positions = reference.topk_kl_loss(hidden_NxD, lm_head, ids_NxK, logp_NxK,
+                                                     mask_N, labels_N, spec)
   else:
     fused, default_chunk = _fused_impl(impl)
     dtype = jnp.promote_types(hidden.dtype, lm_head.dtype)
     chunk = min(chunk_size or default_chunk(num_rows, dim, vocab, dtype, spec), num_rows)
     w_N = mask_N.astype(jnp.float32) / jnp.maximum(jnp.sum(mask_N), 1).astype(jnp.float32)
-    loss, kl, ce = fused(hidden_NxD, lm_head, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
-                         dw_dtype)
+    args = (hidden_NxD, lm_head, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype)
+    if impl == "paper":
+      loss, kl, ce = fused(*args)
+    else:
+      loss, kl, ce, positions = fused(*args, per_position)
   if not return_aux:
     return loss
-  return loss, {"kl": jax.lax.stop_gradient(kl), "ce": jax.lax.stop_gradient(ce)}
+  aux = {"kl": jax.lax.stop_gradient(kl), "ce": jax.lax.stop_gradient(ce)}
+  if per_position:
+    aux["positions"] = {name: x_N.reshape(hidden.shape[:-1])
+                        for name, x_N in zip(xla.POSITION_TERMS, positions)}
+  return loss, aux
 
 
 def position_stats(hidden, lm_head, topk_ids, labels=None, *, chunk_size=None):

@@ -63,14 +63,15 @@ def fits(rows: int, dim: int, vocab: int, t: Tiles | None = None) -> bool:
   return rows % (2 * t.bm) == 0 and vocab % t.bn == 0 and dim % t.bk == 0
 
 
-def logits_exp_reference(h_MxK, w_KxV, scale, shift_M=None, bn=GPU_TILES.bn):
-  """logits_exp in XLA: (e, sums [T, M], maxima [T, M]) from float32 logits."""
+def logits_exp_reference(h_MxK, w_KxV, scale, shift_M=None, bn=GPU_TILES.bn, with_xex=False):
+  """logits_exp in XLA: (e, sums [T, M], maxima [T, M][, sums of exp(x) x]) from float32 logits."""
   x_MxV = jnp.dot(h_MxK, w_KxV, preferred_element_type=jnp.float32) * scale
   if shift_M is not None:
     x_MxV = x_MxV - shift_M[:, None]
   tiles_MxTxB = x_MxV.reshape(x_MxV.shape[0], -1, bn)
-  return (jnp.exp(x_MxV).astype(h_MxK.dtype), jnp.sum(jnp.exp(tiles_MxTxB), -1).T,
-          jnp.max(tiles_MxTxB, -1).T)
+  out = (jnp.exp(x_MxV).astype(h_MxK.dtype), jnp.sum(jnp.exp(tiles_MxTxB), -1).T,
+         jnp.max(tiles_MxTxB, -1).T)
+  return out + ((jnp.sum(jnp.exp(tiles_MxTxB) * tiles_MxTxB, -1).T,) if with_xex else ())
 
 
 def _interpret_params():
@@ -84,10 +85,10 @@ def _num_sms():
   return jax.devices()[0].core_count if _on_gpu() else 2
 
 
-def _kernel(*refs, t: Tiles, scale: float, shifted: bool):
+def _kernel(*refs, t: Tiles, scale: float, shifted: bool, with_xex: bool):
   h_gmem, w_gmem, *refs = refs
   shift_gmem = refs.pop(0) if shifted else None
-  e_gmem, sum_gmem, max_gmem = refs  # e: the last input (a ref updated in place) or an output
+  e_gmem, sum_gmem, max_gmem, *xex_gmem = refs  # e: the last input (updated in place) or output
   m, k = h_gmem.shape
   cta_m = 2 * t.bm
   m_tiles, n_tiles, k_steps = m // cta_m, w_gmem.shape[1] // t.bn, k // t.bk
@@ -118,7 +119,7 @@ def _kernel(*refs, t: Tiles, scale: float, shifted: bool):
       # Per compute warpgroup two slots each: one is filled while the other's copy runs.
       e_smem=plgpu.SMEM((2, 2, t.epi, t.epi), dtype,
                         transforms=smem_transforms(t.epi, dtype.itemsize)),
-      stat_smem=plgpu.SMEM((2, 2, t.bm), jnp.float32),
+      stat_smem=plgpu.SMEM((2, 3 if with_xex else 2, t.bm), jnp.float32),
       collective_axes="wg")
   def _scope(allocs, e_smem, stat_smem):
     wg = lax.axis_index("wg")
@@ -156,9 +157,13 @@ def _kernel(*refs, t: Tiles, scale: float, shifted: bool):
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           stat_smem[wg, 0] = jnp.sum(ex, axis=1)
           stat_smem[wg, 1] = jnp.max(x2, axis=1) * (1 / LOG2_E)
+          if with_xex:  # for the entropy: sum of exp(x) * x
+            stat_smem[wg, 2] = jnp.sum(ex * x2, axis=1) * (1 / LOG2_E)
           store_e(ex.astype(dtype))
           plgpu.copy_smem_to_gmem(stat_smem.at[wg, 0], sum_gmem.at[ni, rows])
           plgpu.copy_smem_to_gmem(stat_smem.at[wg, 1], max_gmem.at[ni, rows])
+          if with_xex:
+            plgpu.copy_smem_to_gmem(stat_smem.at[wg, 2], xex_gmem[0].at[ni, rows])
 
       def mma(_, h_smem, w_smem, acc):
         plgpu.wgmma(acc, h_smem.at[pl.ds(wg * t.bm, t.bm)], w_smem)
@@ -173,8 +178,10 @@ def _kernel(*refs, t: Tiles, scale: float, shifted: bool):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def logits_exp(h_MxK, w_KxV, scale: float, shift_M=None, e_ref=None, t: Tiles | None = None):
-  """See the module doc. e_ref: None (a new e is returned first) or a jax.Ref written in place."""
+def logits_exp(h_MxK, w_KxV, scale: float, shift_M=None, e_ref=None, t: Tiles | None = None,
+               with_xex: bool = False):
+  """See the module doc. e_ref: None (a new e is returned first) or a jax.Ref written in place.
+  with_xex: also the per-tile row sums of exp(x) * x [T, M] (for the softmax's entropy), last."""
   t = t or tiles()
   (m, k), vocab = h_MxK.shape, w_KxV.shape[1]
   if not fits(m, k, vocab, t) or h_MxK.dtype != w_KxV.dtype:
@@ -182,10 +189,11 @@ def logits_exp(h_MxK, w_KxV, scale: float, shift_M=None, e_ref=None, t: Tiles | 
                      f"% {t.bk} == 0 and one dtype; got h {h_MxK.shape} {h_MxK.dtype}, w "
                      f"{w_KxV.shape} {w_KxV.dtype}")
   stats = jax.ShapeDtypeStruct((vocab // t.bn, m), jnp.float32)
-  out_type = (stats, stats)
+  out_type = (stats, stats) + ((stats,) if with_xex else ())
   if e_ref is None:
     out_type = (jax.ShapeDtypeStruct((m, vocab), h_MxK.dtype),) + out_type
-  kernel = functools.partial(_kernel, t=t, scale=float(scale), shifted=shift_M is not None)
+  kernel = functools.partial(_kernel, t=t, scale=float(scale), shifted=shift_M is not None,
+                             with_xex=with_xex)
   call = plgpu.kernel(
       kernel, out_type=out_type, grid=(_num_sms(),), grid_names=("sm",), num_threads=3,
       thread_name="wg", interpret=_interpret_params(),

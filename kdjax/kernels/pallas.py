@@ -65,54 +65,69 @@ def _cols(i, vocab, block):
   return cols, cols < vocab
 
 
-def _exp_kernel(z_ref, hint_ref, *refs, scales, block, write):
-  # refs: E row (if write), one sum per scale, the shift used.
+def _exp_kernel(z_ref, hint_ref, *refs, scales, block, write, stats):
+  # refs: E row (if write), one sum per scale, the shift used, then (if stats) the row's maximum
+  # and the sum of exp(x) * x for x = (z - shift) * scales[0] (for the entropy).
   e_ref = refs[0] if write else None
-  sum_refs, shift_ref = refs[int(write):-1], refs[-1]
+  refs = refs[int(write):]
+  top_ref, xex_ref = refs[-2:] if stats else (None, None)
+  refs = refs[:-2] if stats else refs
+  sum_refs, shift_ref = refs[:-1], refs[-1]
   vocab = z_ref.shape[0]
 
   def sweep(shift):
-    """One read of the row: max(z) and sum exp((z - shift) * scale); writes E."""
+    """One read of the row: max(z), sum exp((z - shift) * scale) [and of exp(x) * x]; writes E."""
     def body(i, carry):
       cols, valid = _cols(i, vocab, block)
       z = pltriton.load(z_ref.at[cols], mask=valid, other=-jnp.inf)
       es = [jnp.exp((z - shift) * scale) for scale in scales]
       if write:
         pltriton.store(e_ref.at[cols], es[0].astype(e_ref.dtype), mask=valid)
-      return (jnp.maximum(carry[0], z),) + tuple(s + e for s, e in zip(carry[1:], es))
+      out = (jnp.maximum(carry[0], z),) + tuple(s + e for s, e in zip(carry[1:], es))
+      if stats:
+        out += (carry[-1] + jnp.where(valid, es[0] * (z - shift) * scales[0], 0.0),)
+      return out
 
     init = (jnp.full((block,), -jnp.inf, jnp.float32),) + tuple(
-        jnp.zeros((block,), jnp.float32) for _ in scales)
+        jnp.zeros((block,), jnp.float32) for _ in scales + ((1.0,) if stats else ()))
     out = jax.lax.fori_loop(0, _tiles(vocab, block), body, init)
     return jnp.max(out[0]), [jnp.sum(s) for s in out[1:]]
 
   def finish(shift, sums):
     shift_ref[...] = shift
+    if stats:
+      xex_ref[...] = sums.pop()
     for ref, s in zip(sum_refs, sums):
       ref[...] = s
 
   hint = hint_ref[...]
   top, sums = sweep(hint)
   finish(hint, sums)
+  if stats:
+    top_ref[...] = top
 
   @pl.when((top - hint) * max(scales) > xla.SHIFT_LIMIT)
   def _():  # rare: the row's maximum is far above every top-k logit; shift by the maximum
     finish(top, sweep(top)[1])
 
 
-def exp_pass(logits_CxV, hint_C, scales, dtype):
-  """(E = exp((z - shift) * scales[0]) in dtype or None, sums per scale, shift): see
+def exp_pass(logits_CxV, hint_C, scales, dtype, stats=False):
+  """(E = exp((z - shift) * scales[0]) in dtype or None, sums per scale, shift, stats): see
   kdjax.kernels.xla. One read of z per row, two for rows beyond xla.SHIFT_LIMIT."""
   rows, vocab = logits_CxV.shape
   block = min(BLOCK, pl.next_power_of_2(vocab))
   scalar = jax.ShapeDtypeStruct((), jnp.float32)
   out_shape = ((jax.ShapeDtypeStruct((vocab,), dtype),) if dtype is not None else ()) + (
-      (scalar,) * len(scales)) + (scalar,)
+      (scalar,) * (len(scales) + 1 + 2 * stats))
   call = _row_call(functools.partial(_exp_kernel, scales=tuple(scales), block=block,
-                                     write=dtype is not None), out_shape, "topk_kl_exp_pass")
+                                     write=dtype is not None, stats=stats),
+                   out_shape, "topk_kl_exp_pass")
   out = jax.vmap(call)(logits_CxV.astype(jnp.float32), hint_C.astype(jnp.float32))
   e_CxV = out[0] if dtype is not None else None
-  return e_CxV, tuple(out[int(dtype is not None):-1]), out[-1]
+  out = out[int(dtype is not None):]
+  extra = tuple(out[-2:]) if stats else None
+  out = out[:-2] if stats else out
+  return e_CxV, tuple(out[:-1]), out[-1], extra
 
 
 def _dense_kernel(z_ref, *refs, scales, block):

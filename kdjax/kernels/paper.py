@@ -36,8 +36,8 @@ def _normalisers(hidden_NxD, lm_head_DxV, spec, chunk):
   def body(lse, i):
     start = jnp.minimum(i * chunk, num_rows - chunk)
     h_CxD = jax.lax.dynamic_slice_in_dim(hidden_NxD, start, chunk)
-    _, sums, shift_C = xla.xla_exp_pass(_logits(h_CxD, lm_head_DxV), None,
-                                        xla.softmax_scales(spec), None)
+    _, sums, shift_C, _ = xla.xla_exp_pass(_logits(h_CxD, lm_head_DxV), None,
+                                           xla.softmax_scales(spec), None)
     lse_s_C, lse_z_C = xla.normalisers(sums, shift_C, spec)
     put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=0)
     return (put(lse[0], lse_s_C), put(lse[1], lse_z_C)), None

@@ -11,7 +11,9 @@ from kdjax.kernels import objectives
 
 def topk_kl_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, mask_N, labels_N,
                  spec: objectives.LossSpec):
-  """Returns (loss, kl_mean, ce_mean), differentiable in hidden and lm_head."""
+  """Returns (loss, kl_mean, ce_mean, positions), differentiable in hidden and lm_head;
+  positions: per-position kl, ce, entropy (of the student softmax at tau), top1 (the student's
+  argmax is the teacher's most probable cached id), as in kdjax.kernels.xla.POSITION_TERMS."""
   tau = spec.temperature
   logits_NxV = jnp.einsum("nd,dv->nv", hidden_NxD, lm_head_DxV,
                           preferred_element_type=jnp.float32)
@@ -46,7 +48,11 @@ def topk_kl_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, mask_N, labels_N,
   count = jnp.maximum(jnp.sum(mask_N), 1).astype(jnp.float32)
   kl = jnp.sum(jnp.where(mask_N, kl_N, 0.0)) / count
   ce = jnp.sum(jnp.where(mask_N, ce_N, 0.0)) / count
-  return kl + spec.ce_weight * ce, jax.lax.stop_gradient(kl), jax.lax.stop_gradient(ce)
+  entropy_N = -jnp.sum(jnp.exp(logq_NxV) * logq_NxV, axis=-1)
+  teacher_top_N = jnp.take_along_axis(ids_NxK, jnp.argmax(logp_NxK, axis=-1)[:, None], -1)[:, 0]
+  top1_N = jnp.argmax(logits_NxV, axis=-1) == teacher_top_N
+  positions = jax.lax.stop_gradient((kl_N, ce_N, entropy_N, top1_N))
+  return kl + spec.ce_weight * ce, jax.lax.stop_gradient(kl), jax.lax.stop_gradient(ce), positions
 
 
 def position_stats(hidden_NxD, lm_head_DxV, ids_NxK, labels_N):

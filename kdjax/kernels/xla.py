@@ -87,18 +87,21 @@ def writes_dense(spec: objectives.LossSpec) -> bool:
   return not (spec.two_softmax and spec.ce_weight != 0.0)
 
 
-def xla_exp_pass(logits_CxV, hint_C, scales, dtype):
+def xla_exp_pass(logits_CxV, hint_C, scales, dtype, stats=False):
   """exp_pass in plain XLA, shifting every row by its exact maximum (z is read twice).
 
-  Returns (E [C, V] in dtype or None if dtype is None, sums per scale [C], shift [C]):
-  sums[j] = sum_V exp((z - shift) * scales[j]), E = exp((z - shift) * scales[0]).
+  Returns (E [C, V] in dtype or None if dtype is None, sums per scale [C], shift [C], extra):
+  sums[j] = sum_V exp((z - shift) * scales[j]), E = exp((z - shift) * scales[0]); extra None, or
+  with stats (the row maximum of z, sum_V exp(x) * x for x = (z - shift) * scales[0]).
   """
   del hint_C
   shift_C = jnp.max(logits_CxV, axis=-1)
   x_CxV = logits_CxV - shift_C[:, None]
   sums = tuple(jnp.sum(jnp.exp(x_CxV * s), axis=-1) for s in scales)
   e_CxV = None if dtype is None else jnp.exp(x_CxV * scales[0]).astype(dtype)
-  return e_CxV, sums, shift_C
+  x0_CxV = x_CxV * scales[0]
+  extra = (shift_C, jnp.sum(jnp.exp(x0_CxV) * x0_CxV, axis=-1)) if stats else None
+  return e_CxV, sums, shift_C, extra
 
 
 def normalisers(sums, shift_C, spec):
@@ -134,35 +137,54 @@ def logits_project(exp_pass: Callable) -> Callable:
   """A chunk's projection with its float32 logits materialised: XLA's matmul, the top-k and
   label logits gathered from it (exact), then one exp_pass over it shifted by their maximum.
 
-  project(h [C, D], W [D, V], ids [C, K], labels [C], spec, dtype)
-      -> (logits [C, V] or None, E or None, sums, shift [C], zk [C, K], zl [C])
-  with E = exp((z - shift) / tau) in dtype (None if dtype is None) and sums per softmax_scales.
+  project(h [C, D], W [D, V], ids [C, K], labels [C], spec, dtype, stats=False)
+      -> (logits [C, V] or None, E or None, sums, shift [C], zk [C, K], zl [C], extra)
+  with E = exp((z - shift) / tau) in dtype (None if dtype is None), sums per softmax_scales and
+  extra = None or, with stats, (the row maximum of z, sum_V exp(x) * x for x = (z - shift) / tau,
+  the most zk may lie below its exact value: 0 here), for per-position statistics.
   """
 
-  def project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype):
+  def project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats=False):
     logits_CxV = jnp.einsum("cd,dv->cv", hidden_CxD, lm_head_DxV,
                             preferred_element_type=jnp.float32)
     zk_CxK, zl_C = _gather_rows(logits_CxV, ids_CxK, labels_C)
     hint_C = jnp.max(zk_CxK, axis=-1)
     if spec.has_labels:
       hint_C = jnp.maximum(hint_C, zl_C)
-    e_CxV, sums, shift_C = exp_pass(logits_CxV, hint_C, softmax_scales(spec), dtype)
-    return logits_CxV, e_CxV, sums, shift_C, zk_CxK, zl_C
+    e_CxV, sums, shift_C, extra = exp_pass(logits_CxV, hint_C, softmax_scales(spec), dtype,
+                                           stats)
+    extra = extra + (0.0,) if stats else None
+    return logits_CxV, e_CxV, sums, shift_C, zk_CxK, zl_C, extra
 
   return project
 
 
-def chunk_terms(hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, project, dtype):
+def chunk_terms(hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, project, dtype,
+                stats=False):
   """One chunk's projection (a `project` as from logits_project) and its loss terms.
 
   dtype: the matmul dtype if E is wanted (gradients with a one-softmax dense part), else None.
-  Returns (logits or None, E or None, sums, gathered (zk, zl, lse_s, lse_z), terms).
+  Returns (logits or None, E or None, sums, gathered (zk, zl, lse_s, lse_z), terms); with stats
+  terms also holds the per-position "entropy" and "top1" (see position_terms).
   """
-  logits_CxV, e_CxV, sums, shift_C, zk_CxK, zl_C = project(hidden_CxD, lm_head_DxV, ids_CxK,
-                                                           labels_C, spec, dtype)
+  logits_CxV, e_CxV, sums, shift_C, zk_CxK, zl_C, extra = project(
+      hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats)
   lse_s_C, lse_z_C = normalisers(sums, shift_C, spec)
   terms = objectives.row_terms(zk_CxK, zl_C, lse_s_C, lse_z_C, logp_CxK, spec)
+  if stats:
+    terms.update(position_terms(sums[0], extra, zk_CxK, logp_CxK))
   return logits_CxV, e_CxV, sums, (zk_CxK, zl_C, lse_s_C, lse_z_C), terms
+
+
+def position_terms(sum_C, extra, zk_CxK, logp_CxK):
+  """Per-position statistics from what the projection already computed (no extra pass):
+  entropy of the student softmax at temperature tau, log S - sum(exp(x) x) / S for
+  S = sum(exp(x)), x = (z - shift) / tau; top1: whether the student's largest logit is the
+  teacher's most probable cached id (within the project's read-back slack of zk)."""
+  top_C, xex_C, slack = extra
+  teacher_top_C = jnp.argmax(logp_CxK, axis=-1)
+  z_top_C = jnp.take_along_axis(zk_CxK, teacher_top_C[:, None], axis=-1)[:, 0]
+  return dict(entropy=jnp.log(sum_C) - xex_C / sum_C, top1=z_top_C + slack >= top_C)
 
 
 def row_scale(coef_C, sum_C, vals_CxE):
@@ -204,10 +226,14 @@ def accumulate_dw(dw_DxV, hidden_CxD, dz_CxV):
                              preferred_element_type=dw_DxV.dtype)
 
 
+POSITION_TERMS = ("kl", "ce", "entropy", "top1")
+
+
 def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
-                 dw_dtype, project, dense_grad, with_grads):
-  """Scan over chunks. Returns (kl_sum, ce_sum) weighted by w, plus (dh, dW) if with_grads;
-  dW in dw_dtype."""
+                 dw_dtype, project, dense_grad, with_grads, per_position=False):
+  """Scan over chunks. Returns (kl_sum, ce_sum) weighted by w, the per-position terms (a tuple
+  of [N] arrays in POSITION_TERMS order, empty unless per_position), plus (dh, dW) if
+  with_grads; dW in dw_dtype."""
   num_rows, _ = hidden_NxD.shape
   dtype = jnp.promote_types(hidden_NxD.dtype, lm_head_DxV.dtype)
   take = lambda x, start: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=0)
@@ -219,11 +245,16 @@ def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec
     ids_CxK, labels_C = take(ids_NxK, start), take(labels_N, start)
     w_C = jnp.where(fresh_C, take(w_N, start), 0.0)
     logits_CxV, e_CxV, sums, gathered, terms = chunk_terms(
-        h_CxD, lm_head_DxV, ids_CxK, take(logp_NxK, start), labels_C, spec, project, e_dtype)
+        h_CxD, lm_head_DxV, ids_CxK, take(logp_NxK, start), labels_C, spec, project, e_dtype,
+        per_position)
     kl, ce = jnp.sum(w_C * terms["kl"]), jnp.sum(w_C * terms["ce"])
+    # Overlapping rows of the last chunk get identical values again: a plain overwrite.
+    positions = tuple(jax.lax.dynamic_update_slice_in_dim(x_N, terms[name].astype(x_N.dtype),
+                                                          start, axis=0)
+                      for name, x_N in zip(POSITION_TERMS, carry[2]))
     if not with_grads:
-      return (carry[0] + kl, carry[1] + ce), None
-    kl_sum, ce_sum, dh_NxD, dw_DxV = carry
+      return (carry[0] + kl, carry[1] + ce, positions), None
+    kl_sum, ce_sum, _, dh_NxD, dw_DxV = carry
     dz_CxV, scale_C = chunk_dlogits(logits_CxV, e_CxV, sums, gathered, terms, ids_CxK, labels_C,
                                     w_C, spec, dtype, dense_grad)
     dh_CxD = scale_C[:, None] * jnp.einsum("cv,dv->cd", dz_CxV, lm_head_DxV.astype(dtype),
@@ -232,10 +263,12 @@ def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec
     dh_NxD = jax.lax.dynamic_update_slice_in_dim(dh_NxD, dh_CxD, start, axis=0)
     scaled_h_CxD = (scale_C[:, None] * h_CxD.astype(jnp.float32)).astype(dtype)
     dw_DxV = accumulate_dw(dw_DxV, scaled_h_CxD, dz_CxV)
-    return (kl_sum + kl, ce_sum + ce, dh_NxD, dw_DxV), None
+    return (kl_sum + kl, ce_sum + ce, positions, dh_NxD, dw_DxV), None
 
   zero = jnp.zeros((), jnp.float32)
-  carry = (zero, zero)
+  positions = tuple(jnp.zeros((num_rows,), bool if name == "top1" else jnp.float32)
+                    for name in POSITION_TERMS) if per_position else ()
+  carry = (zero, zero, positions)
   if with_grads:
     carry += (jnp.zeros_like(hidden_NxD), jnp.zeros(lm_head_DxV.shape, dw_dtype))
   carry, _ = jax.lax.scan(body, carry, jnp.arange(-(-num_rows // chunk)))
@@ -243,29 +276,34 @@ def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec
 
 
 def build_fused_loss(project: Callable, dense_grad: Callable):
-  """custom_vjp loss (h, W, ids, logp, w, labels, spec, chunk, dw_dtype) -> (loss, kl, ce).
+  """custom_vjp loss (h, W, ids, logp, w, labels, spec, chunk, dw_dtype, per_position)
+  -> (loss, kl, ce, positions): positions as chunked_loss returns them (no gradient).
 
   dw_dtype: the dtype dW is accumulated in across chunks (None: lm_head's); returned in
   lm_head's dtype.
   """
 
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-  def loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype):
-    kl, ce = chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec,
-                          chunk, dw_dtype, project, dense_grad, with_grads=False)
-    return kl + spec.ce_weight * ce, kl, ce
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+  def loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype,
+           per_position):
+    kl, ce, positions = chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N,
+                                     spec, chunk, dw_dtype, project, dense_grad,
+                                     with_grads=False, per_position=per_position)
+    return kl + spec.ce_weight * ce, kl, ce, positions
 
-  def fwd(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype):
-    kl, ce, dh_NxD, dw_DxV = chunked_loss(
+  def fwd(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype,
+          per_position):
+    kl, ce, positions, dh_NxD, dw_DxV = chunked_loss(
         hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
-        dw_dtype or lm_head_DxV.dtype, project, dense_grad, with_grads=True)
+        dw_dtype or lm_head_DxV.dtype, project, dense_grad, with_grads=True,
+        per_position=per_position)
     # An empty array carries lm_head's dtype to bwd (residuals must be arrays).
     dtype_tag = jnp.zeros((0,), lm_head_DxV.dtype)
-    return (kl + spec.ce_weight * ce, kl, ce), (dh_NxD, dw_DxV, dtype_tag)
+    return (kl + spec.ce_weight * ce, kl, ce, positions), (dh_NxD, dw_DxV, dtype_tag)
 
-  def bwd(spec, chunk, dw_dtype, residuals, cotangents):
+  def bwd(spec, chunk, dw_dtype, per_position, residuals, cotangents):
     dh_NxD, dw_DxV, dtype_tag = residuals
-    g = cotangents[0]  # kl and ce are logged values: their cotangents are ignored
+    g = cotangents[0]  # kl, ce and the positions are logged values: their cotangents are ignored
     scale = lambda x, dtype: (x.astype(jnp.float32) * g).astype(dtype)
     return scale(dh_NxD, dh_NxD.dtype), scale(dw_DxV, dtype_tag.dtype), None, None, None, None
 
