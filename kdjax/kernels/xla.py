@@ -229,6 +229,12 @@ def accumulate_dw(dw_DxV, hidden_CxD, dz_CxV):
 POSITION_TERMS = ("kl", "ce", "entropy", "top1")
 
 
+def zero_positions(num_rows: int) -> tuple:
+  """The per-position terms of num_rows positions, zeroed (top1 False), in POSITION_TERMS order."""
+  return tuple(jnp.zeros((num_rows,), bool if name == "top1" else jnp.float32)
+               for name in POSITION_TERMS)
+
+
 def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
                  dw_dtype, project, dense_grad, with_grads, per_position=False):
   """Scan over chunks. Returns (kl_sum, ce_sum) weighted by w, the per-position terms (a tuple
@@ -266,8 +272,7 @@ def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec
     return (kl_sum + kl, ce_sum + ce, positions, dh_NxD, dw_DxV), None
 
   zero = jnp.zeros((), jnp.float32)
-  positions = tuple(jnp.zeros((num_rows,), bool if name == "top1" else jnp.float32)
-                    for name in POSITION_TERMS) if per_position else ()
+  positions = zero_positions(num_rows) if per_position else ()
   carry = (zero, zero, positions)
   if with_grads:
     carry += (jnp.zeros_like(hidden_NxD), jnp.zeros(lm_head_DxV.shape, dw_dtype))
