@@ -442,3 +442,13 @@ def test_input_validation():
     kernels.topk_kl_loss(*args[:3], inputs["topk_logprobs"][:, :2], inputs["mask"])
   with pytest.raises(ValueError, match="mask"):
     kernels.topk_kl_loss(*args[:4], inputs["mask"][:2])
+
+
+def test_empty_batch():
+  """No positions: loss 0 and empty per-position terms, not an error."""
+  hidden, lm_head = jnp.zeros((0, 8)), jnp.zeros((8, 130))
+  ids, logp = jnp.zeros((0, 3), jnp.int32), jnp.zeros((0, 3))
+  loss, aux = kernels.topk_kl_loss(hidden, lm_head, ids, logp, None, return_aux=True,
+                                   per_position=True)
+  assert float(loss) == 0.0 and aux["positions"]["top1"].shape == (0,)
+  assert kernels.position_stats(hidden, lm_head, ids)["topk_logits"].shape == (0, 3)

@@ -141,8 +141,8 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
   dim, vocab = lm_head.shape
   hidden_NxD = hidden.reshape(-1, dim)
   num_rows = hidden_NxD.shape[0]
-  ids_NxK = topk_ids.reshape(num_rows, -1).astype(jnp.int32)
-  logp_NxK = topk_logprobs.reshape(num_rows, -1).astype(jnp.float32)
+  ids_NxK = topk_ids.reshape(num_rows, topk_ids.shape[-1]).astype(jnp.int32)
+  logp_NxK = topk_logprobs.reshape(num_rows, topk_ids.shape[-1]).astype(jnp.float32)
   mask_N = (jnp.ones((num_rows,), bool) if mask is None
             else mask.reshape(num_rows).astype(bool))
   spec = objectives.LossSpec(objective, temperature, ce_weight, labels is not None)
@@ -152,8 +152,7 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
   positions = ()
   if num_rows == 0:
     loss, kl, ce = zero, zero, zero
-    positions = tuple(jnp.zeros((0,), bool if name == "top1" else jnp.float32)
-                      for name in xla.POSITION_TERMS)
+    positions = xla.zero_positions(0)
   elif impl == "reference":
     loss, kl, ce, positions = reference.topk_kl_loss(hidden_NxD, lm_head, ids_NxK, logp_NxK,
                                                      mask_N, labels_N, spec)
@@ -188,7 +187,7 @@ def position_stats(hidden, lm_head, topk_ids, labels=None, *, chunk_size=None):
   batch = hidden.shape[:-1]
   hidden_NxD = hidden.reshape(-1, dim)
   num_rows = hidden_NxD.shape[0]
-  ids_NxK = topk_ids.reshape(num_rows, -1).astype(jnp.int32)
+  ids_NxK = topk_ids.reshape(num_rows, topk_ids.shape[-1]).astype(jnp.int32)
   labels_N = (jnp.zeros((num_rows,), jnp.int32) if labels is None
               else labels.reshape(num_rows).astype(jnp.int32))
   dtype = jnp.promote_types(hidden.dtype, lm_head.dtype)
