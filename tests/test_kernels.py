@@ -321,8 +321,9 @@ def test_per_position_outputs(impl, dtype, dim, vocab):
   for name in ("kl", "ce", "entropy"):
     err = np.abs(_f64(got[name]).reshape(-1) - want[name]) / np.maximum(np.abs(want[name]), 1.0)
     assert err.max() <= tol, (name, err.max())
-  # Ties within the read-back's slack (tau * 2^-8) may count as agreement on the fused path.
-  slack = 2.0 ** -8 if impl == "pallas" else 1e-5
+  # On the fused path the read-back logit is within tau * 2^-8 either way and agreement is
+  # counted within that of the maximum: near-ties up to twice it may count.
+  slack = 2 * 2.0 ** -8 if impl == "pallas" else 1e-5
   top1 = np.asarray(got["top1"]).reshape(-1)
   assert np.all((top1 == want["top1"]) | (want["top_gap"] <= slack)), want["top_gap"][
       top1 != want["top1"]]

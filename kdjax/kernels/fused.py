@@ -102,7 +102,7 @@ def fused_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats
   tiny = jnp.finfo(jnp.float32).tiny  # bf16's smallest normal too
   z_CxJ = tau * (shift_C[:, None] + jnp.log(jnp.maximum(e_CxJ, tiny)))
   z_CxJ = exact_logits_where(e_CxJ < tiny, z_CxJ, hidden_CxD, lm_head_DxV, ids_CxJ)
-  # Per-position statistics: a read-back logit may lie up to tau * 2^-8 below its exact value.
+  # Per-position statistics: a read-back logit lies within tau * 2^-8 of its exact value.
   extra = (tau * top_C, xex_C[0], tau * 2.0 ** -8) if stats else None
   return None, e_CxV, (sum_C,), tau * shift_C, z_CxJ[:, :-1], z_CxJ[:, -1], extra
 

@@ -109,9 +109,10 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
     return_aux: also return {"kl": mean KL term, "ce": mean CE} (no gradient through these).
     per_position: aux also holds "positions": per-position "kl" (the KL term), "ce", "entropy"
       (of the student softmax at tau, nats) and "top1" (bool: the student's argmax is the
-      teacher's most probable cached id; on impl "pallas"'s read-back, up to tau * 2^-8 short
-      of the student's maximum counts), shaped like mask, from the loss's own pass (not for
-      impl "paper"). Needs return_aux.
+      teacher's most probable cached id; on impl "pallas", whose top-k logits are read back
+      within tau * 2^-8, a teacher top-1 up to 2 * tau * 2^-8 short of the student's maximum
+      counts too, a true agreement always counts), shaped like mask, from the loss's own pass
+      (not for impl "paper"). Needs return_aux.
   Returns:
     float32 scalar loss, differentiable in hidden and lm_head; (loss, aux) with return_aux.
   """

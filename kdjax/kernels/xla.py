@@ -180,7 +180,9 @@ def position_terms(sum_C, extra, zk_CxK, logp_CxK):
   """Per-position statistics from what the projection already computed (no extra pass):
   entropy of the student softmax at temperature tau, log S - sum(exp(x) x) / S for
   S = sum(exp(x)), x = (z - shift) / tau; top1: whether the student's largest logit is the
-  teacher's most probable cached id (within the project's read-back slack of zk)."""
+  teacher's most probable cached id, counted when zk is within the project's read-back error
+  (slack, either way) of the maximum: a true agreement always counts, and a near-tie up to
+  2 * slack short of it may."""
   top_C, xex_C, slack = extra
   teacher_top_C = jnp.argmax(logp_CxK, axis=-1)
   z_top_C = jnp.take_along_axis(zk_CxK, teacher_top_C[:, None], axis=-1)[:, 0]
