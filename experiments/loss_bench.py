@@ -9,7 +9,8 @@
 A config is SHAPE:TOKENS:IMPL[:CHUNK]; IMPL may carry options after "+" (XLA_FLAGS in OPTIONS):
 "f32dw" accumulates dlm_head in float32 (dw_dtype); "notriton": every matmul by cuBLAS;
 "noat": that and no gemm autotuning (cuBLAS's heuristic choice, no autotuning buffers);
-"atcache": autotuning results cached on disk (a second process with it compiles without them).
+"atcache": autotuning results cached on disk (a second process with it compiles without them);
+"pos": per-position outputs too (return_aux, per_position: what the training step logs).
 
 Shapes: A = D 4096, V 131072; B = D 2880, V 201088. bf16 inputs, K = 100, sparse objective,
 about 10% of positions masked out. impl "liger" is Liger-Kernel's fused linear cross-entropy on
@@ -37,6 +38,7 @@ OPTIONS = {
     "notriton": "--xla_gpu_enable_triton_gemm=false",
     "noat": "--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0",
     "atcache": "--xla_gpu_per_fusion_autotune_cache_dir=/tmp/kdjax_bench_autotune",
+    "pos": "",
 }
 
 QUICK = [f"{s}:{t}:{i}" for s, t, i in [
@@ -84,14 +86,16 @@ def jax_inputs(shape, tokens):
   return hidden, lm_head, ids.astype(jnp.int32), logp, mask, labels
 
 
-def loss_step(impl, chunk, dw_dtype=None):
-  """jit(value_and_grad) of the loss in hidden and lm_head; arguments (h, w, ids, logp, mask)."""
+def loss_step(impl, chunk, dw_dtype=None, per_position=False):
+  """jit(value_and_grad) of the loss in hidden and lm_head; arguments (h, w, ids, logp, mask).
+  per_position: the loss also returns its per-position terms (an aux output)."""
   import jax
   from kdjax import kernels
   return jax.jit(jax.value_and_grad(
-      lambda h, w, ids, logp, mask: kernels.topk_kl_loss(h, w, ids, logp, mask, impl=impl,
-                                                          chunk_size=chunk, dw_dtype=dw_dtype),
-      argnums=(0, 1)))
+      lambda h, w, ids, logp, mask: kernels.topk_kl_loss(
+          h, w, ids, logp, mask, impl=impl, chunk_size=chunk, dw_dtype=dw_dtype,
+          return_aux=per_position, per_position=per_position),
+      argnums=(0, 1), has_aux=per_position))
 
 
 def parse_spec(spec, chunk=None):
@@ -107,7 +111,7 @@ def parse_spec(spec, chunk=None):
   return shape, int(tokens), impl, options, int(rest[0]) if rest else chunk
 
 
-def run_jax(shape, tokens, impl, chunk, dw_dtype=None):
+def run_jax(shape, tokens, impl, chunk, dw_dtype=None, per_position=False):
   import jax
   import jax.numpy as jnp
   dev = jax.devices()[0]
@@ -127,7 +131,7 @@ def run_jax(shape, tokens, impl, chunk, dw_dtype=None):
   jax.block_until_ready(inputs)
   stats = dev.memory_stats() or {}
   before, gen_peak = stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
-  step = loss_step(impl, chunk, dw_dtype)
+  step = loss_step(impl, chunk, dw_dtype, per_position)
   # XLA's own account of the program: arguments + outputs + peak temporaries. The process
   # peak below also holds one-time compile-time allocations (gemm autotuning buffers).
   ma = step.lower(*inputs).compile().memory_analysis()
@@ -195,7 +199,8 @@ def one(spec, chunk):
     if impl == "liger":
       res = run_liger(shape, tokens)
     else:
-      res = run_jax(shape, tokens, impl, chunk, "float32" if "f32dw" in options else None)
+      res = run_jax(shape, tokens, impl, chunk, "float32" if "f32dw" in options else None,
+                    "pos" in options)
   except Exception as e:  # noqa: BLE001 - an OOM is a result
     msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
     res = dict(error=msg, oom="RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e))
