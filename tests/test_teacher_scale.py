@@ -6,6 +6,7 @@ The teacher is a two-matrix stand-in following the model contract: a process sta
 the cache logic under test does not depend on the model (test_teacher.py checks the real one).
 """
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -112,11 +113,12 @@ def test_kill_at_a_random_point_then_resume_gives_identical_bytes(reference, tmp
     if not is_complete(tmp_path / "cache"):
       break
     # The child wrote faster than the reference did (the machine's load varies): the timer fired
-    # after the last record. Start afresh and kill it earlier.
+    # after the last record. Start afresh, timed by what the child took.
     assert seed % 2 == 0, (kill, out, err)
     for name in ("cache", "cache.warmup"):
       shutil.rmtree(tmp_path / name)
-    delay /= 2
+    took = re.search(r"wrote in ([0-9.]+) s", out)
+    delay = rng.uniform(0.05, 0.9) * float(took.group(1)) if took else delay / 2
   else:
     pytest.fail(f"the writer finished before every timer; last {kill}")
   write(TinyTeacher(), cache.open(tmp_path / "data"), str(tmp_path / "cache"))
