@@ -91,6 +91,9 @@ def base() -> ml_collections.ConfigDict:
   c.loss.impl = "auto"
   c.loss.chunk_size = 0  # positions per loss chunk (bounds the [C, V] working set); 0: automatic
   c.loss.dw_dtype = "float32"  # lm_head gradient accumulated across chunks in: "float32", "bfloat16"
+  # Log the student's top-1 agreement and entropy per step, from the loss's own pass (one more
+  # row reduction in its kernel; not with impl "paper", whose algorithm has none).
+  c.loss.position_metrics = True
 
   c.opt = opt_group()  # student training (stages "train" and "baseline")
 

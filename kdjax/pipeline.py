@@ -7,7 +7,7 @@ Outputs under the workdir:
   cache/{train,eval}.zarr     the teacher's top-k per position (or cache.path)
   student/, baseline/         checkpoints and metrics.jsonl of the distilled / hard-label student
   eval.json                   held-out metrics of every model evaluated
-  curves.png                  training KL and CE of the distilled and hard-label students
+  curves.png                  training CE, KL and top-1 agreement of the students
   export/                     (stage export) the student as a Hugging Face checkpoint directory
 """
 import dataclasses
@@ -174,7 +174,9 @@ def stage_eval(c, paths: Paths):
           for name in ("student", "baseline") if name in models}
   plots.training_curves(
       [("train CE on the true next tokens (nats)", "ce", runs),
-       ("student's distillation loss (nats)", "kl", {"student": runs.get("student", "")})],
+       ("student's distillation loss (nats)", "kl", {"student": runs.get("student", "")}),
+       ("top-1 agreement with the teacher", "top1",
+        {"student": runs.get("student", "")})],
       os.path.join(c.workdir, "curves.png"))
   print_report(results)
   return results

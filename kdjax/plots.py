@@ -14,17 +14,19 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def training_curves(panels: list[tuple[str, str, dict[str, str]]], out_png: str) -> str:
-  """panels: [(y label, metric, {run label: metrics.jsonl path})]; missing files are left out."""
+  """panels: [(y label, metric, {run label: metrics.jsonl path})]; missing files and rows without
+  the metric are left out."""
   fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
   for ax, (ylabel, metric, runs) in zip(axes[0], panels):
     for label, path in runs.items():
-      if os.path.exists(path):
-        rows = read_metrics(path)
+      rows = [r for r in read_metrics(path) if metric in r] if os.path.exists(path) else []
+      if rows:
         ax.plot([r["step"] for r in rows], [r[metric] for r in rows], label=label)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.lines:
+      ax.legend()
   fig.tight_layout()
   fig.savefig(out_png, dpi=100)
   plt.close(fig)

@@ -37,12 +37,14 @@ class LossSettings:
   impl: str
   chunk_size: int
   dw_dtype: str
+  position_metrics: bool = True
 
   @classmethod
   def from_config(cls, g, hard_labels: bool) -> "LossSettings":
     if hard_labels:  # one-hot teacher: sparse KL == cross-entropy; see the module docstring
-      return cls("sparse", 1.0, 0.0, g.impl, g.chunk_size, g.dw_dtype)
-    return cls(g.objective, g.temperature, g.ce_weight, g.impl, g.chunk_size, g.dw_dtype)
+      return cls("sparse", 1.0, 0.0, g.impl, g.chunk_size, g.dw_dtype, g.position_metrics)
+    return cls(g.objective, g.temperature, g.ce_weight, g.impl, g.chunk_size, g.dw_dtype,
+               g.position_metrics)
 
 
 def make_optimizer(g) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -84,11 +86,21 @@ def loss_fn(params, graphdef, batch, loss: LossSettings):
   # The loss matmuls run in the compute dtype (bf16 at scale) with f32 accumulation; an f32
   # lm_head would make all three run in f32. Its gradient flows back to the f32 parameters.
   lm_head_DxV = model.lm_head_DxV().astype(hidden_BxTxD.dtype)
-  return kernels.topk_kl_loss(
+  # The paper's algorithm has no per-position outputs.
+  per_position = loss.position_metrics and loss.impl != "paper"
+  value, aux = kernels.topk_kl_loss(
       hidden_BxTxD, lm_head_DxV, batch["topk_ids"], batch["topk_logprobs"],
       batch["loss_mask"], objective=loss.objective, temperature=loss.temperature,
       labels=batch["labels"], ce_weight=loss.ce_weight, impl=loss.impl,
-      chunk_size=loss.chunk_size or None, dw_dtype=loss.dw_dtype, return_aux=True)
+      chunk_size=loss.chunk_size or None, dw_dtype=loss.dw_dtype, return_aux=True,
+      per_position=per_position)
+  metrics = {"kl": aux["kl"], "ce": aux["ce"]}
+  if per_position:  # masked means, like kl and ce; from the loss's own pass
+    mask_BxT = batch["loss_mask"].astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(mask_BxT), 1.0)
+    metrics["top1"] = jnp.sum(mask_BxT * aux["positions"]["top1"]) / count
+    metrics["entropy"] = jnp.sum(mask_BxT * aux["positions"]["entropy"]) / count
+  return value, metrics
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "tx", "loss"), donate_argnames="state")
@@ -106,8 +118,8 @@ def train_step(state, batch_AxB, *, graphdef, tx, loss: LossSettings):
   grads = jax.tree.map(lambda g: g / values_A.shape[0], grads_sum)
   updates, opt_state = tx.update(grads, state["opt"], state["params"])
   params = optax.apply_updates(state["params"], updates)
-  metrics = {"loss": values_A.mean(), "kl": aux_A["kl"].mean(), "ce": aux_A["ce"].mean(),
-             "grad_norm": optax.global_norm(grads)}
+  metrics = {"loss": values_A.mean(), **{k: v.mean() for k, v in aux_A.items()},
+             "grad_norm": optax.tree.norm(grads)}
   return {"params": params, "opt": opt_state, "step": state["step"] + 1}, metrics
 
 
@@ -144,10 +156,12 @@ class Checkpoints:
 
 
 def _log_line(name, step, steps, m, lr, tok_s, mfu, mem_gib):
-  extra = f" mfu {mfu:.1%}" if mfu is not None else ""
+  extra = f" top1 {m['top1']:.3f} ent {m['entropy']:.3f}" if "top1" in m else ""
+  extra += f" lr {lr:.2e} tok/s {tok_s:.0f}"
+  extra += f" mfu {mfu:.1%}" if mfu is not None else ""
   extra += f" mem {mem_gib:.1f}GiB" if mem_gib is not None else ""
-  logging.info("%s step %d/%d loss %.4f kl %.4f ce %.4f lr %.2e tok/s %.0f%s", name, step, steps,
-               m["loss"], m["kl"], m["ce"], lr, tok_s, extra)
+  logging.info("%s step %d/%d loss %.4f kl %.4f ce %.4f%s", name, step, steps, m["loss"], m["kl"],
+               m["ce"], extra)
 
 
 def _peak_memory_gib():

@@ -64,6 +64,9 @@ def test_distillation_loss_falls_and_logs(tmp_path):
   assert [r["step"] for r in rows] == list(range(1, 31))
   assert rows[-1]["kl"] < 0.5 * rows[0]["kl"]
   assert all(np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in rows)
+  assert all(0 <= r["top1"] <= 1 and 0 < r["entropy"] <= np.log(V) for r in rows), rows
+  assert rows[-1]["top1"] > rows[0]["top1"] + 0.3  # the teacher's top-1 is learnable here
+  assert rows[-1]["entropy"] < rows[0]["entropy"]
 
 
 def test_hard_label_loss_is_cross_entropy(tmp_path):
@@ -167,3 +170,34 @@ def test_fused_loss_impl_in_the_train_step():
   flat_x, flat_p = (np.concatenate([np.ravel(g) for g in jax.tree.leaves(t)])
                     for t in (grads_x, grads_p))
   assert np.linalg.norm(flat_p - flat_x) <= 2e-2 * np.linalg.norm(flat_x)
+
+
+def test_step_metrics_are_masked_means_of_the_dense_terms():
+  """top1 and entropy in the step's metrics: the masked means of the student's argmax agreeing
+  with the teacher's top-1 id and of its softmax entropy, from dense float64 logits."""
+  cfg = tiny_model_cfg()
+  model = llama.Transformer(cfg, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  rng = np.random.default_rng()
+  tokens = rng.integers(0, V, (3, T)).astype(np.int32)
+  ids = np.stack([rng.permutation(V)[:K] for _ in range(3 * T)]).reshape(3, T, K).astype(np.int32)
+  mask = rng.random((3, T)) < 0.7
+  batch = {"tokens": tokens, "positions": np.broadcast_to(np.arange(T, dtype=np.int32),
+                                                            (3, T)).copy(),
+           "segment_ids": np.ones((3, T), np.int32), "loss_mask": mask,
+           "labels": train.next_token_labels(tokens), "topk_ids": ids,
+           "topk_logprobs": np.sort(rng.normal(size=(3, T, K)), -1)[..., ::-1] - 3.0}
+  settings = train.LossSettings("sparse", 2.0, 0.0, "xla", 10, "float32")
+  _, metrics = jax.jit(train.loss_fn, static_argnums=(1, 3))(params, graphdef, batch, settings)
+  hidden = np.asarray(model(tokens, batch["positions"], batch["segment_ids"]), np.float64)
+  z = hidden @ np.asarray(model.lm_head_DxV(), np.float64) / 2.0
+  logq = z - z.max(-1, keepdims=True)
+  logq -= np.log(np.exp(logq).sum(-1, keepdims=True))
+  entropy = -(np.exp(logq) * logq).sum(-1)
+  top1 = z.argmax(-1) == ids[..., 0]
+  np.testing.assert_allclose(float(metrics["entropy"]), entropy[mask].mean(), rtol=1e-4)
+  np.testing.assert_allclose(float(metrics["top1"]), top1[mask].mean(), rtol=1e-6)
+  for settings in (train.LossSettings("sparse", 2.0, 0.0, "xla", 10, "float32", False),
+                   train.LossSettings("sparse", 2.0, 0.0, "paper", 10, "float32")):
+    _, metrics = jax.jit(train.loss_fn, static_argnums=(1, 3))(params, graphdef, batch, settings)
+    assert set(metrics) == {"kl", "ce"}  # switched off; the paper's algorithm has none
