@@ -106,7 +106,8 @@ def test_kill_at_a_random_point_then_resume_gives_identical_bytes(reference, tmp
   # region's shards and its record.
   delay = rng.uniform(0.05, 0.9) * seconds
   for _ in range(8):
-    kill = f"after:{delay:.4f}" if seed % 2 == 0 else f"record:{rng.integers(1, ROWS // REGION_ROWS)}"
+    kill = (f"after:{delay:.4f}" if seed % 2 == 0
+            else f"record:{rng.integers(1, ROWS // REGION_ROWS)}")
     proc = spawn(tmp_path, kill=kill)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, (kill, out, err)
