@@ -99,8 +99,10 @@ def xla_exp_pass(logits_CxV, hint_C, scales, dtype, stats=False):
   x_CxV = logits_CxV - shift_C[:, None]
   sums = tuple(jnp.sum(jnp.exp(x_CxV * s), axis=-1) for s in scales)
   e_CxV = None if dtype is None else jnp.exp(x_CxV * scales[0]).astype(dtype)
-  x0_CxV = x_CxV * scales[0]
-  extra = (shift_C, jnp.sum(jnp.exp(x0_CxV) * x0_CxV, axis=-1)) if stats else None
+  extra = None
+  if stats:
+    x0_CxV = x_CxV * scales[0]
+    extra = (shift_C, jnp.sum(jnp.exp(x0_CxV) * x0_CxV, axis=-1))
   return e_CxV, sums, shift_C, extra
 
 
