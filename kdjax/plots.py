@@ -16,10 +16,12 @@ def read_metrics(path: str) -> list[dict]:
 def training_curves(panels: list[tuple[str, str, dict[str, str]]], out_png: str) -> str:
   """panels: [(y label, metric, {run label: metrics.jsonl path})]; missing files and rows without
   the metric are left out."""
+  metrics = {path: read_metrics(path) for _, _, runs in panels for path in runs.values()
+             if os.path.exists(path)}  # each file read once
   fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
   for ax, (ylabel, metric, runs) in zip(axes[0], panels):
     for label, path in runs.items():
-      rows = [r for r in read_metrics(path) if metric in r] if os.path.exists(path) else []
+      rows = [r for r in metrics.get(path, []) if metric in r]
       if rows:
         ax.plot([r["step"] for r in rows], [r[metric] for r in rows], label=label)
     ax.set_xlabel("step")
