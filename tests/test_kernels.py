@@ -247,16 +247,25 @@ def test_per_position_outputs(impl, dtype, dim, vocab):
   ids = np.argsort(-logp, axis=-1)[..., :100]
   inputs.update(topk_ids=jnp.asarray(ids, jnp.int32),
                 topk_logprobs=jnp.asarray(np.take_along_axis(logp, ids, -1), jnp.float32))
-  want = numpy_loss(inputs, "tail", 1.0, 0.3, readback=impl == "pallas")["positions"]
+  want = numpy_loss(inputs, "tail", 1.0, 0.3)["positions"]
   _, aux, _ = run_loss(inputs, 1.0, objective="tail", ce_weight=0.3, impl=impl, chunk_size=256,
                        per_position=True)
   got = aux["positions"]
   assert set(got) == {"kl", "ce", "entropy", "top1"}
   assert all(x.shape == (2, 150) for x in got.values()) and got["top1"].dtype == bool
   tol = TOL[dtype]["loss"]
+  # On the fused path kl and ce take logits read back from bf16 E (loss.py): per position within
+  # that rounding's bound of the exact values (tau * 2^-8 per logit; the kl's tail term up to the
+  # same again). A simulated read-back would not do here: the kernel's float32 logits can round
+  # an entry of E the other way (a mean over positions, test_fused, is tight against it).
+  bound = dict(kl=2 * 2.0 ** -8, ce=2.0 ** -8 * (1 + 2.0 ** -8)) if impl == "pallas" else {}
   for name in ("kl", "ce", "entropy"):
-    err = np.abs(_f64(got[name]).reshape(-1) - want[name]) / np.maximum(np.abs(want[name]), 1.0)
-    assert err.max() <= tol, (name, err.max())
+    diff = np.abs(_f64(got[name]).reshape(-1) - want[name])
+    if name in bound:
+      assert diff.max() <= bound[name] + tol, (name, diff.max())
+    else:
+      err = diff / np.maximum(np.abs(want[name]), 1.0)
+      assert err.max() <= tol, (name, err.max())
   # On the fused path the read-back logit is within tau * 2^-8 either way and agreement is
   # counted within that of the maximum: near-ties up to twice it may count.
   slack = 2 * 2.0 ** -8 if impl == "pallas" else 1e-5
