@@ -46,6 +46,13 @@ def opt_group(**overrides) -> ml_collections.ConfigDict:
   g.steps = 200  # optimizer steps
   g.batch_size = 16  # sequences per micro-batch
   g.accum_steps = 1  # micro-batches per optimizer step (global batch = batch_size * accum_steps)
+  # Memory levers (BENCHMARKS.md measures each): the dtype of the gradient sum over micro-batches
+  # (bfloat16 saves 2 bytes/param, rounding each micro-batch's gradient once), the dtype AdamW
+  # keeps its moments in (bfloat16 saves 4 bytes/param; keep b2 <= 0.99 with it), and where the
+  # moments live between updates ("host": pinned host memory, copied in for each update).
+  g.accum_dtype = "float32"
+  g.state_dtype = "float32"
+  g.state_memory = "device"
   g.log_every = 10  # steps between console / metrics.jsonl lines
   g.ckpt_every = 100  # steps between orbax checkpoints (one is also written on exit)
   g.update(overrides)
@@ -127,6 +134,10 @@ def _check_opt(name: str, g):
            f"{name}.steps, batch_size and accum_steps must be > 0")
   _require(g.log_every > 0 and g.ckpt_every > 0, f"{name}.log_every and ckpt_every must be > 0")
   _require(g.grad_clip > 0 and g.weight_decay >= 0, f"{name}.grad_clip must be > 0, weight_decay >= 0")
+  for field in ("accum_dtype", "state_dtype"):
+    _require(g[field] in DTYPES, f"{name}.{field} must be one of {DTYPES}, got {g[field]!r}")
+  _require(g.state_memory in ("device", "host"),
+           f"{name}.state_memory must be 'device' or 'host', got {g.state_memory!r}")
 
 
 def validate(c: ml_collections.ConfigDict):

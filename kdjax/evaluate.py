@@ -16,13 +16,14 @@ from flax import nnx
 from tqdm import tqdm
 
 from kdjax import kernels
+from kdjax.models import attention
 from kdjax.train import next_token_labels
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size"))
-def _batch_sums(params, batch, *, graphdef, chunk_size):
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "max_documents"))
+def _batch_sums(params, batch, *, graphdef, chunk_size, max_documents):
   model = nnx.merge(graphdef, params)
-  hidden_BxTxD = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+  hidden_BxTxD = model(batch["tokens"], batch["positions"], batch["segment_ids"], max_documents)
   lm_head_DxV = model.lm_head_DxV().astype(hidden_BxTxD.dtype)  # as in training
   stats = kernels.position_stats(hidden_BxTxD, lm_head_DxV, batch["topk_ids"],
                                  batch["labels"], chunk_size=chunk_size)
@@ -48,7 +49,8 @@ def evaluate(model: nnx.Module, store, *, batch_size: int, max_seqs: int, chunk_
     batch = {k: rows[k] for k in ("tokens", "positions", "segment_ids", "loss_mask",
                                    "topk_ids", "topk_logprobs")}
     batch["labels"] = next_token_labels(rows["tokens"])
-    out = _batch_sums(params, batch, graphdef=graphdef, chunk_size=chunk_size)
+    out = _batch_sums(params, batch, graphdef=graphdef, chunk_size=chunk_size,
+                      max_documents=attention.documents_bound(batch["segment_ids"]))
     for k, v in out.items():
       sums[k] = sums.get(k, 0.0) + float(v)
   count = max(sums["positions"], 1.0)

@@ -18,6 +18,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from kdjax import cache
+from kdjax.models import attention
 
 _TOKEN_ARRAYS = ("tokens", "segment_ids", "positions", "loss_mask")
 
@@ -44,11 +45,12 @@ def topk_logprobs(hidden_BxTxD, lm_head_DxV, *, k, chunk_size):
   return unchunk(ids_NxBxCxK), unchunk(logprobs_NxBxCxK)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "k", "chunk_size", "vocab_size"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "k", "chunk_size", "vocab_size",
+                                             "max_documents"))
 def _teacher_step(graphdef, state, tokens_BxT, positions_BxT, segment_ids_BxT, *, k, chunk_size,
-                  vocab_size):
+                  vocab_size, max_documents):
   model = nnx.merge(graphdef, state)
-  hidden_BxTxD = model(tokens_BxT, positions_BxT, segment_ids_BxT)
+  hidden_BxTxD = model(tokens_BxT, positions_BxT, segment_ids_BxT, max_documents)
   # Models may pad their vocabulary for speed; rows past the tokenizer's vocabulary are never
   # real tokens and must not take probability mass.
   lm_head_DxV = model.lm_head_DxV()[:, :vocab_size]
@@ -102,8 +104,10 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
     pending = None
     for start, stop in todo:
       rows = data_store.read(slice(start, stop))
+      # documents_bound of the whole region: one compiled step per region at most (usually one).
+      bound = attention.documents_bound(rows["segment_ids"])
       outputs = [step(*(_pad_rows(rows[name][lo:lo + batch_size], batch_size)
-                        for name in ("tokens", "positions", "segment_ids")))
+                        for name in ("tokens", "positions", "segment_ids")), max_documents=bound)
                  for lo in range(0, stop - start, batch_size)]  # dispatched, not awaited
       ids, logprobs = [], []
       for lo, (batch_ids, batch_logprobs) in zip(range(0, stop - start, batch_size), outputs):

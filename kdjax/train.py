@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from kdjax import cache, kernels
-from kdjax.models import llama
+from kdjax.models import attention, llama
 
 H200_BF16_FLOPS = 989e12  # dense bf16 peak, for MFU
 
@@ -52,10 +52,30 @@ def make_optimizer(g) -> tuple[optax.GradientTransformation, optax.Schedule]:
       init_value=0.0, peak_value=g.lr, warmup_steps=g.warmup_steps, decay_steps=g.steps,
       end_value=g.lr * g.min_lr_ratio)
   decay_matrices = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # not norms
-  tx = optax.chain(
-      optax.clip_by_global_norm(g.grad_clip),
-      optax.adamw(schedule, b1=g.b1, b2=g.b2, weight_decay=g.weight_decay, mask=decay_matrices))
+  adamw = optax.adamw(schedule, b1=g.b1, b2=g.b2, weight_decay=g.weight_decay, mask=decay_matrices)
+  tx = optax.chain(optax.clip_by_global_norm(g.grad_clip), _stored_as(adamw, g.state_dtype))
   return tx, schedule
+
+
+def _stored_as(tx: optax.GradientTransformation, dtype: str) -> optax.GradientTransformation:
+  """`tx` whose floating-point state is kept in `dtype` and updated in float32.
+
+  bfloat16 halves AdamW's 8 bytes per parameter; each step rounds m and v once (relative 2^-9),
+  so a moment whose step change is below that (b2 close to 1) stalls: keep b2 <= 0.99 with it.
+  """
+  if dtype == "float32":
+    return tx
+  cast = lambda tree, to: jax.tree.map(
+      lambda x: x.astype(to) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+  def init(params):
+    return cast(tx.init(params), dtype)
+
+  def update(updates, state, params=None):
+    updates, state = tx.update(updates, cast(state, jnp.float32), params)
+    return updates, cast(state, dtype)
+
+  return optax.GradientTransformation(init, update)
 
 
 def next_token_labels(tokens_BxT: np.ndarray) -> np.ndarray:
@@ -80,9 +100,9 @@ def to_step_batch(rows: dict, accum_steps: int, hard_labels: bool) -> dict:
   return {k: v.reshape((accum_steps, -1) + v.shape[1:]) for k, v in batch.items()}
 
 
-def loss_fn(params, graphdef, batch, loss: LossSettings):
+def loss_fn(params, graphdef, batch, loss: LossSettings, max_documents: int):
   model = nnx.merge(graphdef, params)
-  hidden_BxTxD = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+  hidden_BxTxD = model(batch["tokens"], batch["positions"], batch["segment_ids"], max_documents)
   # The loss matmuls run in the compute dtype (bf16 at scale) with f32 accumulation; an f32
   # lm_head would make all three run in f32. Its gradient flows back to the f32 parameters.
   lm_head_DxV = model.lm_head_DxV().astype(hidden_BxTxD.dtype)
@@ -103,24 +123,66 @@ def loss_fn(params, graphdef, batch, loss: LossSettings):
   return value, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "tx", "loss"), donate_argnames="state")
-def train_step(state, batch_AxB, *, graphdef, tx, loss: LossSettings):
-  """One optimizer step over A micro-batches (gradients averaged: each micro-batch's loss is
-  already a mean over its valid positions)."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss", "max_documents"),
+                   donate_argnames="grads_sum")
+def grad_step(params, grads_sum, batch_BxT, *, graphdef, loss: LossSettings, max_documents: int):
+  """One micro-batch: its gradients added into the donated running sum, and its metrics.
+
+  The sum is updated in place, so gradient accumulation holds one gradient buffer whatever the
+  number of micro-batches (a scan over them inside one program held more: see BENCHMARKS.md).
+  """
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  (value, metrics), grads = grad_fn(params, graphdef, batch_BxT, loss, max_documents)
+  # Each gradient is rounded once into the sum's dtype (opt.accum_dtype).
+  grads_sum = jax.tree.map(lambda s, g: (s.astype(jnp.float32) + g).astype(s.dtype),
+                           grads_sum, grads)
+  return grads_sum, {"loss": value, **metrics}
 
-  def micro(grads_sum, micro_batch):
-    (value, aux), grads = grad_fn(state["params"], graphdef, micro_batch, loss)
-    return jax.tree.map(jnp.add, grads_sum, grads), (value, aux)
 
-  zeros = jax.tree.map(jnp.zeros_like, state["params"])
-  grads_sum, (values_A, aux_A) = jax.lax.scan(micro, zeros, batch_AxB)
-  grads = jax.tree.map(lambda g: g / values_A.shape[0], grads_sum)
-  updates, opt_state = tx.update(grads, state["opt"], state["params"])
+@functools.partial(jax.jit, static_argnames=("tx", "state_memory"),
+                   donate_argnames=("state", "grads_sum"))
+def apply_step(state, grads_sum, metrics_A: list, *, tx, state_memory: str):
+  """The optimizer step on the mean of A micro-batches' gradients (each micro-batch's loss is a
+  mean over its valid positions). Returns the new state, the step's metrics and the gradient
+  sum zeroed in place for the next step."""
+  count = len(metrics_A)
+  grads = jax.tree.map(lambda s: s.astype(jnp.float32) / count, grads_sum)
+  opt = state["opt"]
+  if state_memory == "host":  # AdamW's moments visit the device for this update only
+    opt = jax.device_put(opt, jax.memory.Space.Device)
+  updates, opt = tx.update(grads, opt, state["params"])
+  if state_memory == "host":
+    opt = jax.device_put(opt, jax.memory.Space.Host)
   params = optax.apply_updates(state["params"], updates)
-  metrics = {"loss": values_A.mean(), **{k: v.mean() for k, v in aux_A.items()},
-             "grad_norm": optax.tree.norm(grads)}
-  return {"params": params, "opt": opt_state, "step": state["step"] + 1}, metrics
+  metrics = {k: jnp.mean(jnp.stack([m[k] for m in metrics_A])) for k in metrics_A[0]}
+  metrics["grad_norm"] = optax.tree.norm(grads)
+  zeros = jax.tree.map(jnp.zeros_like, grads_sum)
+  return {"params": params, "opt": opt, "step": state["step"] + 1}, metrics, zeros
+
+
+def init_state(params, tx, opt_cfg):
+  """Train state and the zeroed gradient sum, each where and in the dtype the config says."""
+  opt = tx.init(params)
+  if opt_cfg.state_memory == "host":
+    opt = jax.device_put(opt, jax.sharding.SingleDeviceSharding(jax.devices()[0],
+                                                                memory_kind="pinned_host"))
+  grads_sum = jax.tree.map(lambda p: jnp.zeros(p.shape, opt_cfg.accum_dtype), params)
+  return {"params": params, "opt": opt, "step": jnp.zeros((), jnp.int32)}, grads_sum
+
+
+def train_step(state, grads_sum, batch_AxB: dict, *, graphdef, tx, loss: LossSettings,
+               state_memory: str, max_documents: int):
+  """One optimizer step over A micro-batches: A grad_steps, then apply_step.
+
+  Returns (state, metrics, grads_sum) with every array still in flight (nothing waits).
+  """
+  metrics_A = []
+  for a in range(next(iter(batch_AxB.values())).shape[0]):
+    micro_BxT = {k: v[a] for k, v in batch_AxB.items()}
+    grads_sum, metrics = grad_step(state["params"], grads_sum, micro_BxT, graphdef=graphdef,
+                                   loss=loss, max_documents=max_documents)
+    metrics_A.append(metrics)
+  return apply_step(state, grads_sum, metrics_A, tx=tx, state_memory=state_memory)
 
 
 class Checkpoints:
@@ -179,7 +241,7 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
   tx, schedule = make_optimizer(opt)
   loss = LossSettings.from_config(loss_cfg, hard_labels)
   graphdef, params = nnx.split(model)
-  state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+  state, grads_sum = init_state(params, tx, opt)
   loader = cache.Loader(store, opt.batch_size * opt.accum_steps, seed=seed, shuffle=True)
   ckpt = Checkpoints(os.path.join(workdir, "ckpt"), model_cfg)
   start = ckpt.latest_step() or 0
@@ -194,7 +256,9 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
   tokens_per_step = opt.batch_size * opt.accum_steps * store.seq_len
   flops_per_step = llama.flops_per_token(model_cfg, store.seq_len) * tokens_per_step
   on_gpu = jax.devices()[0].platform == "gpu"
-  step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx, loss=loss)
+  step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx, loss=loss,
+                              state_memory=opt.state_memory)
+  max_documents = 1  # only grows (documents_bound), so the step compiles at most log2(T) times
   metrics_path = os.path.join(workdir, "metrics.jsonl")
 
   def report(step, metrics, t_prev, step_prev):
@@ -222,7 +286,8 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
   try:
     for step in range(start + 1, opt.steps + 1):
       batch = to_step_batch(next(loader), opt.accum_steps, hard_labels)
-      state, metrics = step_fn(state, batch)
+      max_documents = max(max_documents, attention.documents_bound(batch["segment_ids"]))
+      state, metrics, grads_sum = step_fn(state, grads_sum, batch, max_documents=max_documents)
       loader_state = loader.state()
       # Read step t-1's metrics only after step t is dispatched: the host never stalls the device.
       if pending is not None:

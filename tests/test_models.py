@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from kdjax import config
-from kdjax.models import llama
+from kdjax.models import attention, llama
 from kdjax.models.llama import ModelConfig, Transformer
 
 B, T = 2, 12
@@ -63,25 +63,52 @@ def test_attention_matches_reference():
   k = rng.standard_normal((2, 7, 2, 8)).astype(np.float32)
   v = rng.standard_normal((2, 7, 2, 8)).astype(np.float32)
   seg = np.array([[1, 1, 1, 2, 2, 0, 0], [1, 2, 2, 2, 3, 3, 3]], np.int32)
-  out = llama.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(seg))
+  out = attention.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(seg))
   np.testing.assert_allclose(np.asarray(out), attention_reference(q, k, v, seg),
                              rtol=1e-5, atol=1e-5)
 
 
-def test_fused_attention_matches_reference():
-  # The cuDNN path's mask and padding handling, run through XLA's implementation on CPU.
-  rng = np.random.default_rng(2)
-  q = rng.standard_normal((2, 9, 4, 8)).astype(np.float32)
-  k = rng.standard_normal((2, 9, 2, 8)).astype(np.float32)
-  v = rng.standard_normal((2, 9, 2, 8)).astype(np.float32)
-  seg = np.array([[1, 1, 2, 2, 2, 3, 0, 0, 0], [0, 1, 1, 1, 1, 1, 1, 2, 2]], np.int32)
-  args = [jnp.asarray(a) for a in (q, k, v, seg)]
-  out = llama.attention_fused(*args, implementation="xla")
-  np.testing.assert_allclose(np.asarray(out), attention_reference(q, k, v, seg),
-                             rtol=1e-5, atol=1e-5)
-  # On CPU "auto" is the einsum reference.
-  np.testing.assert_array_equal(np.asarray(llama.attention(*args)),
-                                np.asarray(llama.attention_einsum(*args)))
+def packed_rows(rng, b, t, max_docs):
+  """Rows as the packer writes them: documents 1..n of random lengths, then padding."""
+  seg = np.zeros((b, t), np.int32)
+  for row in seg:
+    n = rng.integers(1, max_docs + 1)
+    end = rng.integers(n, t + 1)  # padding from `end` on
+    bounds = [0, *np.sort(rng.choice(np.arange(1, end), size=n - 1, replace=False)), end]
+    for doc in range(n):
+      row[bounds[doc]:bounds[doc + 1]] = doc + 1
+  return seg
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_document_spans_give_the_document_mask(seed):
+  """The cuDNN path hands each document over as (start, length): the mask those spans imply
+  (causal within a span) is the document mask, with padding and unequal documents."""
+  rng = np.random.default_rng(seed)
+  print("seed", seed)
+  seg = packed_rows(rng, 3, 37, 6)
+  seg[0] = 0  # a row of padding only
+  bound = attention.documents_bound(seg)
+  assert bound >= seg.max() and bound & (bound - 1) == 0 and bound < 2 * max(seg.max(), 1)
+  starts, lengths = attention.document_spans(jnp.asarray(seg), bound)
+  assert starts.shape == (3, bound + 1) and lengths.shape == (3, bound)
+  for b in range(3):  # present documents first, then -1
+    n = seg[b].max()
+    assert (np.asarray(lengths[b, :n]) > 0).all() and (np.asarray(lengths[b, n:]) == -1).all()
+    assert (np.asarray(starts[b, n:]) == -1).all()
+  np.testing.assert_array_equal(np.asarray(attention.spans_mask(starts, lengths, 37)),
+                                np.asarray(attention.document_mask(jnp.asarray(seg))))
+
+
+def test_documents_bound():
+  assert [attention.documents_bound(np.array([[m]])) for m in (0, 1, 2, 3, 4, 5, 9)] == \
+      [1, 1, 2, 4, 4, 8, 16]
+
+
+def test_cudnn_attention_needs_a_documents_bound():
+  q = jnp.zeros((1, 4, 2, 8), jnp.bfloat16)
+  with pytest.raises(ValueError, match="max_documents"):
+    attention.attention(q, q, q, jnp.ones((1, 4), jnp.int32), impl="cudnn")
 
 
 @pytest.mark.parametrize("tie", [False, True])

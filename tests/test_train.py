@@ -2,6 +2,7 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
@@ -84,11 +85,11 @@ def test_crash_resumes_to_identical_parameters(tmp_path, monkeypatch):
 
   real_step, calls = train.train_step, []
 
-  def crash_at_step_5(state, batch, **kw):
+  def crash_at_step_5(state, grads_sum, batch, **kw):
     calls.append(1)
     if len(calls) == 5:
       raise RuntimeError("simulated crash")
-    return real_step(state, batch, **kw)
+    return real_step(state, grads_sum, batch, **kw)
 
   monkeypatch.setattr(train, "train_step", crash_at_step_5)
   with pytest.raises(RuntimeError, match="simulated crash"):
@@ -161,7 +162,7 @@ def test_fused_loss_impl_in_the_train_step():
   for impl in ("xla", "pallas"):
     settings = train.LossSettings("tail", 1.0, 0.2, impl, 0, "float32")
     out[impl] = jax.jit(jax.value_and_grad(train.loss_fn, has_aux=True),
-                        static_argnums=(1, 3))(params, graphdef, batch, settings)
+                        static_argnums=(1, 3, 4))(params, graphdef, batch, settings, 1)
   (loss_x, _), grads_x = out["xla"]
   (loss_p, _), grads_p = out["pallas"]
   # bf16 activations and gradients; "pallas" also reads its top-k logits back from bf16 exp
@@ -188,7 +189,8 @@ def test_step_metrics_are_masked_means_of_the_dense_terms():
            "labels": train.next_token_labels(tokens), "topk_ids": ids,
            "topk_logprobs": np.sort(rng.normal(size=(3, T, K)), -1)[..., ::-1] - 3.0}
   settings = train.LossSettings("sparse", 2.0, 0.0, "xla", 10, "float32")
-  _, metrics = jax.jit(train.loss_fn, static_argnums=(1, 3))(params, graphdef, batch, settings)
+  loss_fn = jax.jit(train.loss_fn, static_argnums=(1, 3, 4))
+  _, metrics = loss_fn(params, graphdef, batch, settings, 1)
   hidden = np.asarray(model(tokens, batch["positions"], batch["segment_ids"]), np.float64)
   z = hidden @ np.asarray(model.lm_head_DxV(), np.float64) / 2.0
   logq = z - z.max(-1, keepdims=True)
@@ -199,5 +201,67 @@ def test_step_metrics_are_masked_means_of_the_dense_terms():
   np.testing.assert_allclose(float(metrics["top1"]), top1[mask].mean(), rtol=1e-6)
   for settings in (train.LossSettings("sparse", 2.0, 0.0, "xla", 10, "float32", False),
                    train.LossSettings("sparse", 2.0, 0.0, "paper", 10, "float32")):
-    _, metrics = jax.jit(train.loss_fn, static_argnums=(1, 3))(params, graphdef, batch, settings)
+    _, metrics = loss_fn(params, graphdef, batch, settings, 1)
     assert set(metrics) == {"kl", "ce"}  # switched off; the paper's algorithm has none
+
+
+def one_update(opt_overrides, batch_AxB, seed=0):
+  """Parameters and metrics after one optimizer step of a tiny model on batch_AxB."""
+  opt = opt_group(**opt_overrides)
+  tx, _ = train.make_optimizer(opt)
+  graphdef, params = nnx.split(llama.Transformer(tiny_model_cfg(), rngs=nnx.Rngs(seed)))
+  state, grads_sum = train.init_state(params, tx, opt)
+  settings = train.LossSettings("tail", 1.0, 0.1, "xla", 10, "float32")
+  state, metrics, grads_sum = train.train_step(
+      state, grads_sum, batch_AxB, graphdef=graphdef, tx=tx, loss=settings,
+      state_memory=opt.state_memory, max_documents=4)
+  assert all(float(jnp.abs(g).max()) == 0 for g in jax.tree.leaves(grads_sum))  # zeroed
+  return state, {k: float(v) for k, v in metrics.items()}
+
+
+def step_rows(rng, rows):
+  tokens = rng.integers(0, V, (rows, T)).astype(np.int32)
+  seg = np.repeat(np.array([[1] * 7 + [2] * 6 + [0] * 3], np.int32), rows, 0)
+  logits = rng.normal(size=(rows, T, V)) * 2.0
+  logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  ids = np.argsort(-logp, axis=-1)[..., :K].astype(np.int32)
+  return {"tokens": tokens, "segment_ids": seg, "positions": np.where(
+              seg == 2, np.arange(T) - 7, np.where(seg == 1, np.arange(T), 0)).astype(np.int32),
+          "loss_mask": (seg != 0) & (np.roll(seg, -1, 1) == seg), "topk_ids": ids,
+          "topk_logprobs": np.take_along_axis(logp, ids, -1).astype(np.float32)}
+
+
+def test_accumulation_matches_one_big_batch():
+  """4 rows as 1 x 4, 2 x 2 and 4 x 1 micro-batches (equal valid positions per row, so the mean
+  of means is the mean): the same loss, gradient norm and updated parameters to float32."""
+  rows = step_rows(np.random.default_rng(), 4)
+  results = [one_update({"batch_size": 4 // a, "accum_steps": a},
+                        train.to_step_batch(rows, a, hard_labels=False)) for a in (1, 2, 4)]
+  (state_1, metrics_1), others = results[0], results[1:]
+  for state, metrics in others:
+    for key in ("loss", "kl", "ce", "grad_norm"):
+      np.testing.assert_allclose(metrics[key], metrics_1[key], rtol=2e-5)
+    for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(state_1["params"])):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("lever", [{"accum_dtype": "bfloat16"}, {"state_dtype": "bfloat16"},
+                                   {"state_memory": "host"}])
+def test_memory_levers_keep_the_update(lever):
+  """Each memory lever gives the float32 update to bf16 rounding (host memory: exactly), and
+  keeps its state where and in the dtype it says."""
+  rows = step_rows(np.random.default_rng(), 4)
+  batch = train.to_step_batch(rows, 2, hard_labels=False)
+  base_state, base_metrics = one_update({"batch_size": 2}, batch)
+  state, metrics = one_update({"batch_size": 2, **lever}, batch)
+  exact = "state_memory" in lever
+  np.testing.assert_allclose(metrics["grad_norm"], base_metrics["grad_norm"],
+                             rtol=0 if exact else 1e-2)
+  moved = [np.abs(np.asarray(a) - np.asarray(b)).max() / max(np.abs(np.asarray(b)).max(), 1e-9)
+           for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(base_state["params"]))]
+  assert max(moved) <= (0 if exact else 1e-2), max(moved)
+  opt_leaves = [x for x in jax.tree.leaves(state["opt"]) if x.ndim]
+  if lever.get("state_dtype") == "bfloat16":
+    assert all(x.dtype == jnp.bfloat16 for x in opt_leaves)
+  if exact:
+    assert all(x.sharding.memory_kind == "pinned_host" for x in opt_leaves)

@@ -1,0 +1,281 @@
+"""The training step and the teacher's cache writing, end to end, at the paper's shapes.
+
+    python experiments/e2e_bench.py sweep 8k 32k 128k teacher-8k teacher-32k   # the H200 run
+    python experiments/e2e_bench.py sweep --list                               # every name
+    python experiments/e2e_bench.py student --config configs/8k.py --accum 2 --docs 4 \
+        --set opt.accum_dtype=bfloat16                                         # one, by hand
+
+`sweep` runs each named configuration in a process of its own (peak memory cannot be reset) and
+appends one JSON line per configuration to experiments/results/e2e.jsonl (--out to change).
+
+student: the config's student (configs/8k.py, configs/32k.py: Llama-3.2-3B shapes, float32
+parameters and AdamW, bf16 compute, the fused loss, K = 100) with RANDOM weights, trained on a
+synthetic compact cache written to local disk first: random tokens packed into `docs` documents
+of unequal length per row, random top-k entries. Steps run through `train.train_step` fed by
+`cache.Loader`, as `train.fit` runs them (fit adds checkpoints and logging). The first step
+compiles; the median of the rest is reported.
+
+teacher: a RANDOM-weight Llama-3.1-8B-shaped teacher (bf16) writes a compact top-100 cache of
+synthetic packed rows through `teacher.write_cache` (tokens/s with the zarr write), and the
+jitted teacher step alone (device only).
+
+FLOP convention (model FLOPs, no recomputation): per token 6 N (N = matmul parameters, lm_head
+included) plus attention 12 L H E c, where c is the mean number of keys a query sees (causal,
+within its document: sum over documents of len^2 / 2, over T). MFU divides by 989 TFLOP/s (H200
+dense bf16).
+"""
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kdjax import cache, config, pipeline, teacher, train  # noqa: E402
+from kdjax.models import attention, llama  # noqa: E402
+
+PEAK_FLOPS = 989e12
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "e2e.jsonl")
+
+# name -> command-line arguments of one configuration
+SWEEP = {
+    "8k": "student --config configs/8k.py --docs 4",
+    "8k-1doc": "student --config configs/8k.py --docs 1",
+    "8k-bf16acc": "student --config configs/8k.py --docs 4 --set opt.accum_dtype=bfloat16",
+    "8k-bf16state": "student --config configs/8k.py --docs 4 --set opt.accum_dtype=bfloat16 "
+                    "--set opt.state_dtype=bfloat16",
+    "8k-host": "student --config configs/8k.py --docs 4 --set opt.state_memory=host",
+    "8k-accum1": "student --config configs/8k.py --docs 4 --accum 1 --steps 6",
+    "32k": "student --config configs/32k.py --docs 8 --steps 2",
+    "32k-accum4": "student --config configs/32k.py --docs 8 --accum 4",
+    "32k-1doc": "student --config configs/32k.py --docs 1 --accum 4",
+    "128k": "student --config configs/32k.py --seq-len 131072 --docs 16 --accum 1 --steps 4",
+    "256k": "student --config configs/32k.py --seq-len 262144 --docs 32 --accum 1 --steps 3",
+    "teacher-8k": "teacher --seq-len 8192 --docs 4 --rows 64",
+    "teacher-32k": "teacher --seq-len 32768 --docs 8 --rows 16",
+}
+
+
+def packed_segments(rng, rows: int, seq_len: int, docs: int):
+  """segment_ids, positions [rows, T]: `docs` documents of unequal length per row, no padding."""
+  segment_ids = np.zeros((rows, seq_len), np.int32)
+  positions = np.zeros((rows, seq_len), np.int32)
+  for r in range(rows):
+    lengths = np.maximum(1, np.round(rng.dirichlet(np.ones(docs)) * seq_len)).astype(int)
+    lengths[-1] = seq_len - lengths[:-1].sum()
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    for d in range(docs):
+      segment_ids[r, bounds[d]:bounds[d + 1]] = d + 1
+      positions[r, bounds[d]:bounds[d + 1]] = np.arange(lengths[d])
+  return segment_ids, positions
+
+
+def mean_context(segment_ids) -> float:
+  """Mean number of keys a query attends to (causal, within its document)."""
+  total = 0.0
+  for row in segment_ids:
+    lengths = np.bincount(row)[1:]
+    total += float(np.sum(lengths * (lengths + 1) / 2))
+  return total / segment_ids.size
+
+
+def synthetic_cache(path, rng, *, rows, seq_len, docs, vocab, k):
+  segment_ids, positions = packed_segments(rng, rows, seq_len, docs)
+  store = cache.create(path, num_seqs=rows, seq_len=seq_len, k=k, vocab_size=vocab,
+                       attrs={"source": "synthetic"}, layout="compact")
+  for r in range(rows):  # row by row: a 128K x 100 row of float32 is 52 MB
+    logp = np.sort(rng.normal(size=(1, seq_len, k)).astype(np.float32), -1)[..., ::-1] - 4.0
+    store.write(r, {
+        "tokens": rng.integers(0, vocab, (1, seq_len), dtype=np.int32),
+        "segment_ids": segment_ids[r:r + 1], "positions": positions[r:r + 1],
+        "loss_mask": np.ones((1, seq_len), bool),
+        "topk_ids": rng.integers(0, vocab, (1, seq_len, k), dtype=np.int32),
+        "topk_logprobs": np.ascontiguousarray(logp)})
+  return cache.open(path)
+
+
+def peak_gib() -> float:
+  stats = jax.devices()[0].memory_stats() or {"peak_bytes_in_use": float("nan")}  # CPU: none
+  return stats["peak_bytes_in_use"] / 2**30
+
+
+def run_student(args) -> dict:
+  c = load_config(args.config, args.set)
+  seq_len = args.seq_len or c.data.seq_len
+  accum = args.accum or c.opt.accum_steps
+  rows = c.opt.batch_size * accum
+  rng = np.random.default_rng(0)
+  model_cfg = pipeline.model_config(c.student, 128256)
+  directory = os.path.join(args.dir, f"student_{seq_len}_{rows}_{args.docs}")
+  shutil.rmtree(directory, ignore_errors=True)
+  t0 = time.perf_counter()
+  store = synthetic_cache(directory, rng, rows=rows, seq_len=seq_len, docs=args.docs,
+                          vocab=model_cfg.vocab_size, k=c.cache.k)
+  print(f"synthetic cache: {rows} rows x {seq_len} in {time.perf_counter() - t0:.1f} s", flush=True)
+
+  tx, _ = train.make_optimizer(c.opt)
+  loss = train.LossSettings.from_config(c.loss, hard_labels=False)
+  graphdef, params = nnx.split(llama.Transformer(model_cfg, rngs=nnx.Rngs(0)))
+  state, grads_sum = train.init_state(params, tx, c.opt)
+  loader = cache.Loader(store, rows, seed=0)
+  times, waits, context = [], [], []
+  for step in range(args.steps):
+    t0 = time.perf_counter()
+    batch = train.to_step_batch(next(loader), accum, hard_labels=False)
+    t1 = time.perf_counter()
+    context.append(mean_context(batch["segment_ids"].reshape(-1, seq_len)))
+    state, metrics, grads_sum = train.train_step(
+        state, grads_sum, batch, graphdef=graphdef, tx=tx, loss=loss,
+        state_memory=c.opt.state_memory,
+        max_documents=attention.documents_bound(batch["segment_ids"]))
+    jax.block_until_ready((state, metrics))
+    times.append(time.perf_counter() - t0)
+    waits.append(t1 - t0)
+    print(f"step {step}: {times[-1]:.2f} s (batch wait {waits[-1]:.3f} s) "
+          f"loss {float(metrics['loss']):.3f} peak {peak_gib():.1f} GiB", flush=True)
+  loader.close()
+  step_s = float(np.median(times[1:]))
+  tokens = rows * seq_len
+  n = llama.flops_per_token(model_cfg, 0) / 6.0  # matmul parameters (attention term at T = 0)
+  per_token = 6.0 * n + 12.0 * model_cfg.n_layers * model_cfg.n_heads * model_cfg.head_dim * \
+      float(np.mean(context))
+  tflops = per_token * tokens / step_s / 1e12
+  return {"kind": "student", "seq_len": seq_len, "accum_steps": accum,
+          "batch_size": c.opt.batch_size, "docs_per_row": args.docs, "packed": args.docs > 1,
+          "step_s": step_s, "tokens_per_s": tokens / step_s, "model_tflops": tflops,
+          "mfu": tflops * 1e12 / PEAK_FLOPS, "peak_gib": peak_gib(),
+          "optimizer_state": f"{c.opt.state_dtype}/{c.opt.state_memory}",
+          "accum_dtype": c.opt.accum_dtype,
+          "batch_wait_frac": float(np.sum(waits[1:]) / np.sum(times[1:])),
+          "first_step_s": times[0]}
+
+
+def run_teacher(args) -> dict:
+  c = load_config(args.config, args.set)
+  model_cfg = pipeline.model_config(c.teacher, 128256)
+  model = llama.Transformer(model_cfg, rngs=nnx.Rngs(0))
+  vocab, seq_len, k = model_cfg.vocab_size, args.seq_len, c.cache.k
+  rng = np.random.default_rng(0)
+  directory = os.path.join(args.dir, f"teacher_{seq_len}")
+  shutil.rmtree(directory, ignore_errors=True)
+  data = cache.create(os.path.join(directory, "data"), num_seqs=args.rows, seq_len=seq_len, k=0,
+                      vocab_size=vocab, attrs={"source": "synthetic"})
+  segment_ids, positions = packed_segments(rng, args.rows, seq_len, args.docs)
+  data.write(0, {"tokens": rng.integers(0, vocab, (args.rows, seq_len), dtype=np.int32),
+                 "segment_ids": segment_ids, "positions": positions,
+                 "loss_mask": np.ones((args.rows, seq_len), bool)})
+  data = cache.open(os.path.join(directory, "data"))
+  batch_size, chunk = c.cache.batch_size, c.cache.chunk_size
+
+  graphdef, state = nnx.split(model)
+  rows = data.read(np.arange(batch_size))
+  inputs = [rows[name] for name in ("tokens", "positions", "segment_ids")]
+  kw = dict(k=k, chunk_size=chunk, vocab_size=vocab,
+            max_documents=attention.documents_bound(rows["segment_ids"]))
+  jax.block_until_ready(teacher._teacher_step(graphdef, state, *inputs, **kw))  # compiles
+  times = []
+  for _ in range(5):
+    t0 = time.perf_counter()
+    jax.block_until_ready(teacher._teacher_step(graphdef, state, *inputs, **kw))
+    times.append(time.perf_counter() - t0)
+  device_tok_s = batch_size * seq_len / float(np.median(times))
+  print(f"teacher step alone: {device_tok_s:,.0f} tokens/s", flush=True)
+
+  t0 = time.perf_counter()
+  teacher.write_cache(model, data, os.path.join(directory, "cache"), k=k, batch_size=batch_size,
+                      chunk_size=chunk, vocab_size=vocab, attrs={"teacher": "random-8b"},
+                      layout=c.cache.layout)
+  seconds = time.perf_counter() - t0
+  return {"kind": "teacher", "seq_len": seq_len, "batch_size": batch_size,
+          "docs_per_row": args.docs, "packed": args.docs > 1, "rows": args.rows,
+          "tokens_per_s": args.rows * seq_len / seconds, "device_tokens_per_s": device_tok_s,
+          "layout": c.cache.layout, "peak_gib": peak_gib()}
+
+
+def load_config(path, overrides):
+  """configs/NAME.py[:variant] with group.field=value overrides."""
+  path, _, variant = path.partition(":")
+  spec = importlib.util.spec_from_file_location("bench_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config(variant)
+  for item in overrides:
+    key, value = item.split("=", 1)
+    group, field = key.split(".")
+    old = c[group][field]
+    c[group][field] = type(old)(value) if not isinstance(old, bool) else value == "True"
+  config.validate(c)
+  return c
+
+
+def commit() -> str:
+  try:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return os.environ.get("KDJAX_COMMIT", "unknown")
+
+
+def sweep(args):
+  if args.list:
+    for name, line in SWEEP.items():
+      print(f"{name:14s} {line}")
+    return
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  for name in args.names:
+    cmd = [sys.executable, os.path.abspath(__file__), *SWEEP[name].split(), "--json", args.out,
+           "--name", name, "--dir", args.dir]
+    print(f"== {name}: {' '.join(cmd[2:])}", flush=True)
+    result = subprocess.run(cmd)
+    if result.returncode:
+      with open(args.out, "a") as f:
+        f.write(json.dumps({"name": name, "error": f"exit {result.returncode}",
+                            "commit": commit(), "date": today()}) + "\n")
+
+
+def today() -> str:
+  return datetime.date.today().isoformat()
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  sub = parser.add_subparsers(dest="mode", required=True)
+  p = sub.add_parser("sweep")
+  p.add_argument("names", nargs="*")
+  p.add_argument("--list", action="store_true")
+  p.add_argument("--out", default=RESULTS)
+  p.add_argument("--dir", default="/tmp/kdjax_e2e")
+  for mode in ("student", "teacher"):
+    p = sub.add_parser(mode)
+    p.add_argument("--config", default="configs/8k.py")
+    p.add_argument("--seq-len", type=int, default=0, help="0: the config's")
+    p.add_argument("--accum", type=int, default=0, help="0: the config's accum_steps")
+    p.add_argument("--docs", type=int, default=4, help="documents per row")
+    p.add_argument("--rows", type=int, default=16, help="teacher: rows written")
+    p.add_argument("--steps", type=int, default=3, help="student: steps, the first compiles")
+    p.add_argument("--set", action="append", default=[], help="group.field=value")
+    p.add_argument("--json", default="", help="append the result here")
+    p.add_argument("--name", default="")
+    p.add_argument("--dir", default="/tmp/kdjax_e2e")
+  args = parser.parse_args()
+  if args.mode == "sweep":
+    return sweep(args)
+  result = run_student(args) if args.mode == "student" else run_teacher(args)
+  result.update(name=args.name, config=getattr(args, "config", ""), overrides=args.set,
+                commit=commit(), date=today(), device=str(jax.devices()[0].device_kind))
+  print(json.dumps(result), flush=True)
+  if args.json:
+    with open(args.json, "a") as f:
+      f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+  main()
