@@ -92,7 +92,9 @@ def synthetic_cache(path, rng, *, rows, seq_len, docs, vocab, k):
   store = cache.create(path, num_seqs=rows, seq_len=seq_len, k=k, vocab_size=vocab,
                        attrs={"source": "synthetic"}, layout="compact")
   for r in range(rows):  # row by row: a 128K x 100 row of float32 is 52 MB
-    logp = np.sort(rng.normal(size=(1, seq_len, k)).astype(np.float32), -1)[..., ::-1] - 4.0
+    z = -np.sort(rng.exponential(2.0, size=(1, seq_len, k)), -1)  # descending
+    # 90% of the teacher's mass in its top-k, as a real teacher's cache holds
+    logp = (z - np.log(np.exp(z).sum(-1, keepdims=True)) + np.log(0.9)).astype(np.float32)
     store.write(r, {
         "tokens": rng.integers(0, vocab, (1, seq_len), dtype=np.int32),
         "segment_ids": segment_ids[r:r + 1], "positions": positions[r:r + 1],

@@ -104,6 +104,12 @@ def attention_cudnn(q_BxTxHxE: jax.Array, k_BxSxGxE: jax.Array, v_BxSxGxE: jax.A
   from jax._src.cudnn import fused_attention_stablehlo as cudnn_sdpa
 
   scale = 1.0 / math.sqrt(q_BxTxHxE.shape[-1])
+  real_BxT = segment_ids_BxT != 0
+  if max_documents > 1:
+    # cuDNN never writes the outputs or the gradients of positions outside every document
+    # (padding): selecting its inputs and output drops whatever is there, in both passes.
+    q_BxTxHxE, k_BxSxGxE, v_BxSxGxE = (jnp.where(real_BxT[:, :, None, None], x, 0)
+                                       for x in (q_BxTxHxE, k_BxSxGxE, v_BxSxGxE))
   if max_documents == 1:
     # One document per row: plain causal attention; padding sits after it, so no real query
     # reaches a padding key.
@@ -115,8 +121,7 @@ def attention_cudnn(q_BxTxHxE: jax.Array, k_BxSxGxE: jax.Array, v_BxSxGxE: jax.A
         q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, q_seqlen=lengths_BxM, kv_seqlen=lengths_BxM,
         q_offsets=starts_BxM1, kv_offsets=starts_BxM1, scale=scale,
         mask_type=cudnn_sdpa.MaskType.PADDING_CAUSAL)
-  real_BxTx1x1 = (segment_ids_BxT != 0)[:, :, None, None]
-  return jnp.where(real_BxTx1x1, out_BxTxHxE, 0).astype(q_BxTxHxE.dtype)
+  return jnp.where(real_BxT[:, :, None, None], out_BxTxHxE, 0).astype(q_BxTxHxE.dtype)
 
 
 def cudnn_applies(q_BxTxHxE: jax.Array) -> bool:
