@@ -26,6 +26,7 @@ dense bf16).
 """
 import argparse
 import datetime
+import functools
 import importlib.util
 import json
 import os
@@ -47,7 +48,7 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "e
 
 # name -> command-line arguments of one configuration
 SWEEP = {
-    "8k": "student --config configs/8k.py --docs 4",
+    "8k": "student --config configs/8k.py --docs 4 --memory",
     "8k-1doc": "student --config configs/8k.py --docs 1",
     "8k-bf16acc": "student --config configs/8k.py --docs 4 --set opt.accum_dtype=bfloat16",
     "8k-bf16state": "student --config configs/8k.py --docs 4 --set opt.accum_dtype=bfloat16 "
@@ -57,7 +58,7 @@ SWEEP = {
     "32k": "student --config configs/32k.py --docs 8 --steps 2",
     "32k-accum4": "student --config configs/32k.py --docs 8 --accum 4",
     "32k-1doc": "student --config configs/32k.py --docs 1 --accum 4",
-    "128k": "student --config configs/32k.py --seq-len 131072 --docs 16 --accum 1 --steps 4",
+    "128k": "student --config configs/32k.py --seq-len 131072 --docs 16 --accum 1 --steps 4 --memory",
     "256k": "student --config configs/32k.py --seq-len 262144 --docs 32 --accum 1 --steps 3",
     "teacher-8k": "teacher --seq-len 8192 --docs 4 --rows 64",
     "teacher-32k": "teacher --seq-len 32768 --docs 8 --rows 16",
@@ -128,6 +129,8 @@ def run_student(args) -> dict:
   graphdef, params = nnx.split(llama.Transformer(model_cfg, rngs=nnx.Rngs(0)))
   state, grads_sum = train.init_state(params, tx, c.opt)
   loader = cache.Loader(store, rows, seed=0)
+  if args.memory:
+    print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, c.opt)
   times, waits, context = [], [], []
   for step in range(args.steps):
     t0 = time.perf_counter()
@@ -158,6 +161,25 @@ def run_student(args) -> dict:
           "accum_dtype": c.opt.accum_dtype,
           "batch_wait_frac": float(np.sum(waits[1:]) / np.sum(times[1:])),
           "first_step_s": times[0]}
+
+
+def print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, opt):
+  """XLA's compiled memory plan of the two programs of a step (GiB)."""
+  batch = train.to_step_batch(loader.store.read(np.arange(loader.batch_size)), accum, False)
+  micro = {k: v[0] for k, v in batch.items()}
+  kw = dict(graphdef=graphdef, loss=loss, max_documents=attention.documents_bound(
+      batch["segment_ids"]))
+  _, metrics = jax.eval_shape(functools.partial(train.grad_step, **kw), state["params"],
+                              grads_sum, micro)
+  programs = {
+      "grad_step": train.grad_step.lower(state["params"], grads_sum, micro, **kw),
+      "apply_step": train.apply_step.lower(state, grads_sum, [metrics] * accum, tx=tx,
+                                           state_memory=opt.state_memory)}
+  for name, lowered in programs.items():
+    m = lowered.compile().memory_analysis()
+    print(f"memory {name}: arguments {m.argument_size_in_bytes / 2**30:.2f} GiB, outputs "
+          f"{m.output_size_in_bytes / 2**30:.2f} (aliased {m.alias_size_in_bytes / 2**30:.2f}), "
+          f"temporaries {m.temp_size_in_bytes / 2**30:.2f}", flush=True)
 
 
 def run_teacher(args) -> dict:
@@ -265,6 +287,7 @@ def main():
     p.add_argument("--steps", type=int, default=3, help="student: steps, the first compiles")
     p.add_argument("--set", action="append", default=[], help="group.field=value")
     p.add_argument("--json", default="", help="append the result here")
+    p.add_argument("--memory", action="store_true", help="print XLA's memory plan first")
     p.add_argument("--name", default="")
     p.add_argument("--dir", default="/tmp/kdjax_e2e")
   args = parser.parse_args()

@@ -29,19 +29,27 @@ def packed_rows(rng, b, t, docs):
 
 
 def reference(q, k, v, seg, cotangent):
-  """Output and (dq, dk, dv) in float32, one document at a time."""
+  """Output and (dq, dk, dv) in float32, one document at a time (each padded to the longest, so
+  one program serves them all)."""
   out, grads = np.zeros(q.shape, np.float32), [np.zeros(x.shape, np.float32) for x in (q, k, v)]
-  for b in range(seg.shape[0]):
-    for d in range(1, seg[b].max() + 1):
-      idx = np.nonzero(seg[b] == d)[0]
-      s, e = idx[0], idx[-1] + 1
-      part = lambda x: jnp.asarray(x[b:b + 1, s:e], jnp.float32)
-      ones = jnp.ones((1, e - s), jnp.int32)
-      o, vjp = jax.vjp(lambda q_, k_, v_: attention.attention_einsum(q_, k_, v_, ones),
-                       part(q), part(k), part(v))
-      out[b, s:e] = np.asarray(o[0])
-      for g, dx in zip(grads, vjp(part(cotangent))):
-        g[b, s:e] = np.asarray(dx[0])
+  spans = [(b, *np.nonzero(seg[b] == d)[0][[0, -1]]) for b in range(seg.shape[0])
+           for d in range(1, seg[b].max() + 1)]
+  longest = max(e - s + 1 for _, s, e in spans)
+
+  @jax.jit
+  def one(q_, k_, v_, seg_, cot_):
+    o, vjp = jax.vjp(lambda *x: attention.attention_einsum(*x, seg_), q_, k_, v_)
+    return o, vjp(cot_)
+
+  for b, s, e in spans:
+    n = e + 1 - s
+    part = lambda x: jnp.asarray(np.pad(x[b:b + 1, s:e + 1], [(0, 0), (0, longest - n)] +
+                                        [(0, 0)] * (x.ndim - 2)), jnp.float32)
+    seg_ = jnp.asarray((np.arange(longest) < n)[None].astype(np.int32))
+    o, dx = one(part(q), part(k), part(v), seg_, part(cotangent))
+    out[b, s:e + 1] = np.asarray(o[0, :n])
+    for g, d in zip(grads, dx):
+      g[b, s:e + 1] = np.asarray(d[0, :n])
   return out, grads
 
 
