@@ -2,6 +2,7 @@
 
     python experiments/e2e_bench.py sweep 8k 32k 128k teacher-8k teacher-32k   # the H200 run
     python experiments/e2e_bench.py sweep --list                               # every name
+    python experiments/e2e_bench.py plot                                       # results -> PNG
     python experiments/e2e_bench.py student --config configs/8k.py --accum 2 --docs 4 \
         --set opt.accum_dtype=bfloat16                                         # one, by hand
 
@@ -268,6 +269,32 @@ def sweep(args):
                             "commit": commit(), "date": today()}) + "\n")
 
 
+def plot(args):
+  """Bars of tokens/s and peak GiB, one per configuration (its latest measured line)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  latest = {}
+  for line in open(args.results):
+    row = json.loads(line)
+    if "error" not in row:
+      latest[row["name"]] = row
+  names = list(latest)
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+  for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s"), (axes[1], "peak_gib", "peak GiB")):
+    ax.barh(names, [latest[n][key] for n in names],
+            color=["tab:orange" if latest[n]["kind"] == "teacher" else "tab:blue" for n in names])
+    ax.set_xlabel(label)
+    ax.invert_yaxis()
+  axes[0].set_title("student step (blue) / teacher cache writing (orange), one H200")
+  axes[1].axvline(48, color="gray", ls=":")
+  axes[1].axvline(60, color="gray", ls=":")
+  fig.tight_layout()
+  out = os.path.splitext(args.results)[0] + ".png"
+  fig.savefig(out, dpi=110)
+  print(out)
+
+
 def today() -> str:
   return datetime.date.today().isoformat()
 
@@ -280,6 +307,8 @@ def main():
   p.add_argument("--list", action="store_true")
   p.add_argument("--out", default=RESULTS)
   p.add_argument("--dir", default="/tmp/kdjax_e2e")
+  p = sub.add_parser("plot")
+  p.add_argument("results", nargs="?", default=RESULTS)
   for mode in ("student", "teacher"):
     p = sub.add_parser(mode)
     p.add_argument("--config", default="configs/8k.py")
@@ -294,8 +323,8 @@ def main():
     p.add_argument("--name", default="")
     p.add_argument("--dir", default="/tmp/kdjax_e2e")
   args = parser.parse_args()
-  if args.mode == "sweep":
-    return sweep(args)
+  if args.mode in ("sweep", "plot"):
+    return sweep(args) if args.mode == "sweep" else plot(args)
   result = run_student(args) if args.mode == "student" else run_teacher(args)
   result.update(name=args.name, config=getattr(args, "config", ""), overrides=args.set,
                 commit=commit(), date=today(), device=str(jax.devices()[0].device_kind))

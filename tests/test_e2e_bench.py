@@ -1,0 +1,21 @@
+"""experiments/e2e_bench.py runs as committed: its student and teacher modes on a CPU-sized config."""
+import json
+import subprocess
+import sys
+
+
+def run(tmp_path, *args):
+  out = tmp_path / "e2e.jsonl"
+  subprocess.run([sys.executable, "experiments/e2e_bench.py", *args, "--config",
+                  "configs/8k.py:smoke", "--seq-len", "128", "--docs", "3", "--json", str(out),
+                  "--dir", str(tmp_path / "work")], check=True, env={"JAX_PLATFORMS": "cpu",
+                                                                     "PATH": "/usr/bin:/bin"})
+  return json.loads(out.read_text().splitlines()[-1])
+
+
+def test_student_and_teacher_modes(tmp_path):
+  student = run(tmp_path, "student", "--accum", "2", "--steps", "2", "--memory")
+  assert student["kind"] == "student" and student["accum_steps"] == 2 and student["packed"]
+  assert student["tokens_per_s"] > 0 and student["step_s"] > 0
+  teacher = run(tmp_path, "teacher", "--rows", "2")
+  assert teacher["kind"] == "teacher" and teacher["tokens_per_s"] > 0
