@@ -68,7 +68,8 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
   """Writes (or resumes) the teacher cache of `data_store` at `cache_path`; returns the store.
 
   Args:
-    model: teacher, `hidden = model(tokens, positions, segment_ids)`, `model.lm_head_DxV()`.
+    model: teacher, `hidden = model(tokens, positions, segment_ids, max_documents)` (a static
+      bound on the documents per row, see kdjax/models/attention.py), `model.lm_head_DxV()`.
     data_store: opened k = 0 store of tokenised rows.
     cache_path: directory of the cache; an unfinished cache with the same spec is resumed.
     k: top-k entries kept per position.

@@ -32,7 +32,8 @@ class TinyTeacher(nnx.Module):
     self.embed_VxD = nnx.Param(jnp.asarray(rng.normal(size=(V, D)), jnp.float32))
     self.mix_DxD = nnx.Param(jnp.asarray(rng.normal(size=(D, D)) / 4, jnp.float32))
 
-  def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT):
+  def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT, max_documents=None):
+    del max_documents  # no attention
     x_BxTxD = self.embed_VxD[...][tokens_BxT] + 0.1 * positions_BxT[..., None]
     return 3.0 * jnp.tanh(x_BxTxD @ self.mix_DxD[...]) * (segment_ids_BxT > 0)[..., None]
 
