@@ -48,8 +48,9 @@ def opt_group(**overrides) -> ml_collections.ConfigDict:
   g.accum_steps = 1  # micro-batches per optimizer step (global batch = batch_size * accum_steps)
   # Memory levers (BENCHMARKS.md measures each): the dtype of the gradient sum over micro-batches
   # (bfloat16 saves 2 bytes/param, rounding each micro-batch's gradient once), the dtype AdamW
-  # keeps its moments in (bfloat16 saves 4 bytes/param; keep b2 <= 0.99 with it), and where the
-  # moments live between updates ("host": pinned host memory, copied in for each update).
+  # keeps its moments in (bfloat16 stores 4 bytes/param less, but the update's float32 copies
+  # still set the peak as built; keep b2 <= 0.99 with it), and where the moments live between
+  # updates ("host": pinned host memory, copied in for each update).
   g.accum_dtype = "float32"
   g.state_dtype = "float32"
   g.state_memory = "device"
