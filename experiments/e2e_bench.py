@@ -131,8 +131,13 @@ def run_student(args) -> dict:
   graphdef, params = nnx.split(llama.Transformer(model_cfg, rngs=nnx.Rngs(0)))
   state, grads_sum = train.init_state(params, tx, c.opt)
   loader = cache.Loader(store, rows, seed=0)
-  if args.memory:
-    print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, c.opt)
+  plan = {}
+  if args.memory or not args.steps:
+    plan = print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, c.opt)
+  if not args.steps:  # the plan only
+    loader.close()
+    return {"kind": "plan", "seq_len": seq_len, "accum_steps": accum, "docs_per_row": args.docs,
+            "optimizer_state": f"{c.opt.state_dtype}/{c.opt.state_memory}", "plan_gib": plan}
   times, waits, context = [], [], []
   for step in range(args.steps):
     t0 = time.perf_counter()
@@ -162,11 +167,11 @@ def run_student(args) -> dict:
           "optimizer_state": f"{c.opt.state_dtype}/{c.opt.state_memory}",
           "accum_dtype": c.opt.accum_dtype,
           "batch_wait_frac": float(np.sum(waits[1:]) / np.sum(times[1:])),
-          "first_step_s": times[0]}
+          "first_step_s": times[0], **({"plan_gib": plan} if plan else {})}
 
 
 def print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, opt):
-  """XLA's compiled memory plan of the two programs of a step (GiB)."""
+  """XLA's compiled memory plan of the two programs of a step (GiB), printed and returned."""
   batch = train.to_step_batch(loader.store.read(np.arange(loader.batch_size)), accum, False)
   micro = {k: v[0] for k, v in batch.items()}
   kw = dict(graphdef=graphdef, loss=loss, max_documents=attention.documents_bound(
@@ -177,11 +182,15 @@ def print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, o
       "grad_step": train.grad_step.lower(state["params"], grads_sum, micro, **kw),
       "apply_step": train.apply_step.lower(state, grads_sum, [metrics] * accum, tx=tx,
                                            state_memory=opt.state_memory)}
+  plan = {}
   for name, lowered in programs.items():
     m = lowered.compile().memory_analysis()
-    print(f"memory {name}: arguments {m.argument_size_in_bytes / 2**30:.2f} GiB, outputs "
-          f"{m.output_size_in_bytes / 2**30:.2f} (aliased {m.alias_size_in_bytes / 2**30:.2f}), "
-          f"temporaries {m.temp_size_in_bytes / 2**30:.2f}", flush=True)
+    plan[name] = {key: round(getattr(m, f"{key}_size_in_bytes") / 2**30, 2)
+                  for key in ("argument", "output", "alias", "temp")}
+    print(f"memory {name}: arguments {plan[name]['argument']:.2f} GiB, outputs "
+          f"{plan[name]['output']:.2f} (aliased {plan[name]['alias']:.2f}), "
+          f"temporaries {plan[name]['temp']:.2f}", flush=True)
+  return plan
 
 
 def run_teacher(args) -> dict:
@@ -316,7 +325,8 @@ def main():
     p.add_argument("--accum", type=int, default=0, help="0: the config's accum_steps")
     p.add_argument("--docs", type=int, default=4, help="documents per row")
     p.add_argument("--rows", type=int, default=16, help="teacher: rows written")
-    p.add_argument("--steps", type=int, default=3, help="student: steps, the first compiles")
+    p.add_argument("--steps", type=int, default=3,
+                   help="student: steps, the first compiles; 0: XLA's memory plan only")
     p.add_argument("--set", action="append", default=[], help="group.field=value")
     p.add_argument("--json", default="", help="append the result here")
     p.add_argument("--memory", action="store_true", help="print XLA's memory plan first")
