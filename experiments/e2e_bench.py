@@ -59,8 +59,10 @@ SWEEP = {
     "32k-accum4": "student --config configs/32k.py --docs 8 --accum 4",
     "32k-1doc": "student --config configs/32k.py --docs 1 --accum 4",
     # JAX's allocator takes at most 75% of the GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says
-    # otherwise (~98 GiB on an H200): 128K fits there with AdamW's moments in host memory.
+    # otherwise (~98 GiB on an H200).
     "128k": "student --config configs/32k.py --seq-len 131072 --docs 16 --accum 1 --steps 4 "
+            "--memory",
+    "256k": "student --config configs/32k.py --seq-len 262144 --docs 32 --accum 1 --steps 3 "
             "--memory --set opt.state_memory=host",
     "teacher-8k": "teacher --seq-len 8192 --docs 4 --rows 64",
     "teacher-32k": "teacher --seq-len 32768 --docs 8 --rows 16",

@@ -55,19 +55,23 @@ def reference(q, k, v, seg, cotangent):
 
 # Llama-3.2-3B's 24 query / 8 key-value heads; fewer at 32K, where the reference's scores for
 # one long document take (heads x length^2 x 4) bytes.
-@pytest.mark.parametrize("b,t,docs,h,g", [(2, 1000, 1, 24, 8), (2, 2048, 5, 24, 8),
-                                          (3, 1000, 3, 24, 8), (1, 32768, 6, 4, 1)])
-def test_cudnn_packed_matches_einsum(b, t, docs, h, g):
+# per_call: documents per cuDNN call (None: attention.documents_per_call's choice).
+@pytest.mark.parametrize("b,t,docs,h,g,per_call", [
+    (2, 1000, 1, 24, 8, None), (2, 2048, 5, 24, 8, None), (2, 2048, 5, 24, 8, 2),
+    (3, 1000, 3, 24, 8, 3), (1, 32768, 6, 4, 1, None), (1, 32768, 7, 4, 1, 2)])
+def test_cudnn_packed_matches_einsum(b, t, docs, h, g, per_call):
   rng = np.random.default_rng()
   seed = int(rng.integers(1 << 30))
   print("seed", seed)
   rng = np.random.default_rng(seed)
   seg = packed_rows(rng, b, t, docs)
+  if b == 3:
+    seg[2] = 0  # a row of padding only
   q, k, v, cot = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
                   for shape in ((b, t, h, E), (b, t, g, E), (b, t, g, E), (b, t, h, E)))
   bound = attention.documents_bound(seg)
-  fn = jax.jit(lambda q_, k_, v_: attention.attention(q_, k_, v_, jnp.asarray(seg), "cudnn",
-                                                       bound))
+  fn = jax.jit(lambda q_, k_, v_: attention.attention_cudnn(q_, k_, v_, jnp.asarray(seg), bound,
+                                                             per_call))
   out, vjp = jax.vjp(fn, q, k, v)
   grads = vjp(cot)
   ref_out, ref_grads = reference(*(np.asarray(x, np.float32) for x in (q, k, v)), seg,

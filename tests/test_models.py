@@ -100,6 +100,59 @@ def test_document_spans_give_the_document_mask(seed):
                                 np.asarray(attention.document_mask(jnp.asarray(seg))))
 
 
+def spans_attention_leaving_garbage(q, k, v, starts, lengths, scale):
+  """A stand-in for one cuDNN packed call on CPU: exact inside the given spans, NaN outside them
+  in the output and in every gradient, as cuDNN leaves memory there unwritten."""
+  t = q.shape[1]
+  inside_BxT = jnp.any(attention.spans_mask(starts, lengths, t), axis=2)
+  blot = lambda x: jnp.where(inside_BxT[:, :, None, None], x, jnp.nan)
+
+  @jax.custom_vjp
+  def call(q, k, v):
+    mask_BxTxS = attention.spans_mask(starts, lengths, t)
+    g = k.shape[2]
+    q5 = q.reshape(q.shape[0], t, g, -1, q.shape[-1])
+    s = jnp.einsum("btgre,bsge->bgrts", q5, k) * scale
+    s = jnp.where(mask_BxTxS[:, None, None], s, -jnp.inf)
+    p = jnp.nan_to_num(jax.nn.softmax(s, axis=-1))
+    return jnp.einsum("bgrts,bsge->btgre", p, v).reshape(q.shape)
+
+  def fwd(q, k, v):
+    out, vjp = jax.vjp(call.fun, q, k, v)
+    return blot(out), vjp
+
+  call.defvjp(fwd, lambda vjp, dout: tuple(blot(d) for d in vjp(dout)))
+  return call(q, k, v)
+
+
+@pytest.mark.parametrize("per_call", [2, 3, 8])
+def test_documents_in_several_cudnn_calls(monkeypatch, per_call):
+  """The cuDNN path's split of a row's documents over calls (its workspace bound): output and
+  gradients equal the einsum reference's, though each call leaves garbage outside its spans."""
+  monkeypatch.setattr(attention, "_cudnn_packed", spans_attention_leaving_garbage)
+  rng = np.random.default_rng(per_call)
+  seg = packed_rows(rng, 3, 41, 7)
+  seg[0] = 0  # a row of padding only
+  seg[1, :] = np.minimum(np.arange(41) // 5 + 1, 7)  # seven documents, no padding
+  bound = attention.documents_bound(seg)
+  q, k, v, cot = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+                  for shape in ((3, 41, 4, 8), (3, 41, 2, 8), (3, 41, 2, 8), (3, 41, 4, 8)))
+  seg = jnp.asarray(seg)
+  outs = [jax.vjp(lambda *x: fn(*x, seg), q, k, v) for fn in (
+      attention.attention_einsum,
+      lambda *x: attention.attention_cudnn(*x, bound, docs_per_call=per_call))]
+  (want, want_vjp), (got, got_vjp) = outs
+  for a, b in zip((got, *got_vjp(cot)), (want, *want_vjp(cot))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_documents_per_call():
+  assert attention.documents_per_call(1, 131072, 16) == 2
+  assert attention.documents_per_call(1, 32768, 64) == 8
+  assert attention.documents_per_call(4, 8192, 4) == 4
+  assert attention.documents_per_call(1, 1 << 20, 4) == 2
+
+
 def test_documents_bound():
   assert [attention.documents_bound(np.array([[m]])) for m in (0, 1, 2, 3, 4, 5, 9)] == \
       [1, 1, 2, 4, 4, 8, 16]

@@ -2,7 +2,7 @@
 
 Shape letters: B batch, T query positions, S key positions (the same tokens as T), H query heads,
 G key/value heads, R query heads per key/value head (H = G * R), E head dim, M documents per row
-(a static bound).
+(a static bound), N documents in one cuDNN call.
 
 A packed row holds documents (segments 1, 2, ... in order, each one contiguous) followed by
 padding (segment 0). Query t sees key s iff s <= t and both lie in the same document; padding
@@ -12,8 +12,8 @@ Two implementations of that one function:
   * `attention_einsum`, the reference: a dense [T, S] score matrix and mask, any device.
   * `attention_cudnn`: cuDNN flash attention in its packed (ragged) layout on GPU. Each document
     is handed over as an offset and a length, so no [T, S] array exists in the forward or the
-    backward pass and the blocks that straddle two documents are never computed: memory is
-    linear in T (plus cuDNN's softmax statistics, [B * M, H, T] float32).
+    backward pass and the blocks that straddle two documents are never computed. Memory is
+    linear in T: documents go to cuDNN a few per call, as its workspace grows with documents x T.
 """
 import math
 
@@ -95,33 +95,81 @@ def attention_einsum(q_BxTxHxE: jax.Array, k_BxSxGxE: jax.Array, v_BxSxGxE: jax.
   return out_BxTxGxRxE.reshape(b, t, h, e).astype(q_BxTxHxE.dtype)
 
 
-def attention_cudnn(q_BxTxHxE: jax.Array, k_BxSxGxE: jax.Array, v_BxSxGxE: jax.Array,
-                    segment_ids_BxT: jax.Array, max_documents: int) -> jax.Array:
-  """cuDNN flash attention, documents passed as offsets and lengths (GPU, bf16/fp16)."""
+# cuDNN's packed backward takes a float32 workspace of about 2 x (B * m * T * H * E) x 4 bytes
+# for m documents per call: it sizes every document of the bound m as if it were T long. With
+# Llama-3.2-3B's heads at T = 128K and m = 16 that is 48 GiB per layer (measured, H200). Calls
+# therefore take at most max(2, WORKSPACE_POSITIONS // (B * T)) documents each: B * m * T stays
+# within 2^18 positions (~6 GiB at 24 x 128 heads) from T = 256K down, and at 8K one call takes
+# 32 documents.
+WORKSPACE_POSITIONS = 1 << 18
+
+
+def documents_per_call(b: int, t: int, max_documents: int) -> int:
+  return min(max_documents, max(2, WORKSPACE_POSITIONS // (b * t)))
+
+
+@jax.custom_vjp
+def _grad_where(x: jax.Array, keep_BxT: jax.Array) -> jax.Array:
+  """x itself; its gradient is zeroed where keep_BxT is False (no copy in the forward pass)."""
+  return x
+
+
+def _grad_where_fwd(x, keep_BxT):
+  return x, keep_BxT
+
+
+def _grad_where_bwd(keep_BxT, dx):
+  return jnp.where(keep_BxT[:, :, None, None], dx, 0).astype(dx.dtype), None
+
+
+_grad_where.defvjp(_grad_where_fwd, _grad_where_bwd)
+
+
+def _cudnn_packed(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, starts_BxN1, lengths_BxN, scale):
+  """One cuDNN call over N documents per row given as spans. It reads and writes (forward and
+  backward) only positions inside those spans; everything else is left as it was."""
   # jax.nn.dot_product_attention (JAX 0.11) takes sequence lengths but not the per-document
   # offsets of a packed row; the cuDNN wrapper underneath does. JAX is pinned, so this private
   # import is checked by the GPU test whenever the pin moves.
   from jax._src.cudnn import fused_attention_stablehlo as cudnn_sdpa
+  return cudnn_sdpa.dot_product_attention(
+      q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, q_seqlen=lengths_BxN, kv_seqlen=lengths_BxN,
+      q_offsets=starts_BxN1, kv_offsets=starts_BxN1, scale=scale,
+      mask_type=cudnn_sdpa.MaskType.PADDING_CAUSAL)
 
-  scale = 1.0 / math.sqrt(q_BxTxHxE.shape[-1])
+
+def attention_cudnn(q_BxTxHxE: jax.Array, k_BxSxGxE: jax.Array, v_BxSxGxE: jax.Array,
+                    segment_ids_BxT: jax.Array, max_documents: int,
+                    docs_per_call: int | None = None) -> jax.Array:
+  """cuDNN flash attention, documents passed as offsets and lengths (GPU, bf16/fp16).
+
+  The M documents of a row go to cuDNN in calls of docs_per_call (default documents_per_call)
+  each; a call's output and gradients count only at its own documents' positions.
+  """
+  b, t, _, e = q_BxTxHxE.shape
+  scale = 1.0 / math.sqrt(e)
   real_BxT = segment_ids_BxT != 0
-  if max_documents > 1:
-    # cuDNN never writes the outputs or the gradients of positions outside every document
-    # (padding): selecting its inputs and output drops whatever is there, in both passes.
-    q_BxTxHxE, k_BxSxGxE, v_BxSxGxE = (jnp.where(real_BxT[:, :, None, None], x, 0)
-                                       for x in (q_BxTxHxE, k_BxSxGxE, v_BxSxGxE))
   if max_documents == 1:
     # One document per row: plain causal attention; padding sits after it, so no real query
     # reaches a padding key.
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_sdpa
     out_BxTxHxE = cudnn_sdpa.dot_product_attention(
         q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, scale=scale, mask_type=cudnn_sdpa.MaskType.CAUSAL)
-  else:
-    starts_BxM1, lengths_BxM = document_spans(segment_ids_BxT, max_documents)
-    out_BxTxHxE = cudnn_sdpa.dot_product_attention(
-        q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, q_seqlen=lengths_BxM, kv_seqlen=lengths_BxM,
-        q_offsets=starts_BxM1, kv_offsets=starts_BxM1, scale=scale,
-        mask_type=cudnn_sdpa.MaskType.PADDING_CAUSAL)
-  return jnp.where(real_BxT[:, :, None, None], out_BxTxHxE, 0).astype(q_BxTxHxE.dtype)
+    return jnp.where(real_BxT[:, :, None, None], out_BxTxHxE, 0).astype(q_BxTxHxE.dtype)
+
+  m = docs_per_call or documents_per_call(b, t, max_documents)
+  starts_BxM1, lengths_BxM = document_spans(segment_ids_BxT, max_documents)
+  call_BxT = (segment_ids_BxT - 1) // m  # padding (segment 0): -1, in no call
+  out_BxTxHxE = jnp.zeros_like(q_BxTxHxE)
+  for i in range(-(-max_documents // m)):
+    mine_BxT = call_BxT == i
+    # cuDNN leaves the gradients outside the call's documents unwritten: they are dropped.
+    q_i, k_i, v_i = (_grad_where(x, mine_BxT) for x in (q_BxTxHxE, k_BxSxGxE, v_BxSxGxE))
+    starts_BxN1 = jnp.concatenate([starts_BxM1[:, :-1][:, i * m:(i + 1) * m],
+                                   jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    out_i = _cudnn_packed(q_i, k_i, v_i, starts_BxN1, lengths_BxM[:, i * m:(i + 1) * m], scale)
+    out_BxTxHxE = jnp.where(mine_BxT[:, :, None, None], out_i, out_BxTxHxE)
+  return out_BxTxHxE.astype(q_BxTxHxE.dtype)
 
 
 def cudnn_applies(q_BxTxHxE: jax.Array) -> bool:
