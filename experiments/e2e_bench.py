@@ -58,12 +58,12 @@ SWEEP = {
     "32k": "student --config configs/32k.py --docs 8 --steps 2",
     "32k-accum4": "student --config configs/32k.py --docs 8 --accum 4",
     "32k-1doc": "student --config configs/32k.py --docs 1 --accum 4",
-    # JAX's allocator takes at most 75% of the GPU unless XLA_PYTHON_CLIENT_MEM_FRACTION says
-    # otherwise (~98 GiB on an H200).
+    # JAX's allocator takes at most 75% of the GPU (~98 GiB on an H200) unless told otherwise;
+    # the 128K step's single 46 GiB block of temporaries needs that much free in one piece.
     "128k": "student --config configs/32k.py --seq-len 131072 --docs 16 --accum 1 --steps 4 "
-            "--memory",
+            "--memory --mem-fraction 0.9",
     "256k": "student --config configs/32k.py --seq-len 262144 --docs 32 --accum 1 --steps 3 "
-            "--memory --set opt.state_memory=host",
+            "--memory --mem-fraction 0.95 --set opt.state_memory=host",
     "teacher-8k": "teacher --seq-len 8192 --docs 4 --rows 64",
     "teacher-32k": "teacher --seq-len 32768 --docs 8 --rows 16",
 }
@@ -332,13 +332,18 @@ def main():
     p.add_argument("--set", action="append", default=[], help="group.field=value")
     p.add_argument("--json", default="", help="append the result here")
     p.add_argument("--memory", action="store_true", help="print XLA's memory plan first")
+    p.add_argument("--mem-fraction", type=float, default=0.0,
+                   help="XLA_PYTHON_CLIENT_MEM_FRACTION (0: JAX's default, 0.75)")
     p.add_argument("--name", default="")
     p.add_argument("--dir", default="/tmp/kdjax_e2e")
   args = parser.parse_args()
   if args.mode in ("sweep", "plot"):
     return sweep(args) if args.mode == "sweep" else plot(args)
+  if args.mem_fraction:  # read when JAX first touches the GPU, below
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
   result = run_student(args) if args.mode == "student" else run_teacher(args)
   result.update(name=args.name, config=getattr(args, "config", ""), overrides=args.set,
+                mem_fraction=args.mem_fraction or 0.75,
                 commit=commit(), date=today(), device=str(jax.devices()[0].device_kind))
   print(json.dumps(result), flush=True)
   if args.json:
