@@ -153,6 +153,17 @@ def run(method: str, args) -> dict:
           teacher_graphdef=teacher_graphdef, method=method, max_documents=bound)
     return metrics
 
+  if args.plan:  # XLA's memory plan of one micro-step (GiB), no run
+    if method == "ours":
+      lowered = train.grad_step.lower(state["params"], grads_sum, batches[0], graphdef=graphdef,
+                                      loss=loss, max_documents=bound)
+    else:
+      lowered = baseline_grad_step.lower(
+          state["params"], grads_sum, batches[0], teacher_params, graphdef=graphdef,
+          teacher_graphdef=teacher_graphdef, method=method, max_documents=bound)
+    m = lowered.compile().memory_analysis()
+    return {"method": method, "kind": "plan", "micro_step_temp_gib": m.temp_size_in_bytes / 2**30,
+            "micro_step_argument_gib": m.argument_size_in_bytes / 2**30}
   micro_s, metrics_A = [], []
   for i in range(args.micro_steps + 1):  # the first compiles
     t0 = time.perf_counter()
@@ -189,6 +200,8 @@ def main():
   parser.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)  # a child process
   parser.add_argument("--config", default="configs/8k.py", help="a smaller one for a smoke run")
   parser.add_argument("--micro-steps", type=int, default=4, help="timed micro-steps per method")
+  parser.add_argument("--plan", action="store_true",
+                      help="XLA's memory plan of each method's micro-step only (no run)")
   parser.add_argument("--out", default=RESULTS)
   parser.add_argument("--dir", default="/tmp/kdjax_paper_table")
   args = parser.parse_args()
@@ -204,6 +217,7 @@ def main():
   for method in args.methods:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", method, "--out", args.out,
            "--dir", args.dir, "--micro-steps", str(args.micro_steps), "--config", args.config]
+    cmd += ["--plan"] if args.plan else []
     if subprocess.run(cmd).returncode:
       with open(args.out, "a") as f:
         f.write(json.dumps({"method": method, "error": "failed (see its log)",
