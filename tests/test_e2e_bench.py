@@ -19,3 +19,17 @@ def test_student_and_teacher_modes(tmp_path):
   assert student["tokens_per_s"] > 0 and student["step_s"] > 0
   teacher = run(tmp_path, "teacher", "--rows", "2")
   assert teacher["kind"] == "teacher" and teacher["tokens_per_s"] > 0
+
+
+def test_paper_table_runs_all_four_methods(tmp_path):
+  """experiments/paper_table.py as committed, on a CPU-sized config: the three offline methods
+  optimise the same sparse KL, so they agree on the loss."""
+  out = tmp_path / "table.jsonl"
+  subprocess.run([sys.executable, "experiments/paper_table.py", "--config", "configs/8k.py:smoke",
+                  "--micro-steps", "1", "--out", str(out), "--dir", str(tmp_path / "work")],
+                 check=True, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+  rows = {r["method"]: r for r in map(json.loads, out.read_text().splitlines())}
+  assert set(rows) == {"online", "dense", "chunked", "ours"}
+  assert all(r["iteration_s"] > 0 for r in rows.values())
+  losses = [rows[m]["loss"] for m in ("dense", "chunked", "ours")]
+  assert max(losses) - min(losses) < 1e-3 * abs(losses[0])
