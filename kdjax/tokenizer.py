@@ -118,12 +118,22 @@ def load(path: str) -> Tokenizer:
   if os.path.isdir(path):
     file = os.path.join(path, "tokenizer.json")
     config_file = os.path.join(path, "tokenizer_config.json")
+    if not os.path.exists(file):
+      raise FileNotFoundError(
+          f"{path} has no tokenizer.json (it holds {sorted(os.listdir(path))}); for a checkpoint "
+          "with only a slow tokenizer (tokenizer.model), transformers' "
+          "AutoTokenizer.from_pretrained(dir).save_pretrained(dir) writes one")
   else:
     file, config_file = path, None
   if not os.path.exists(file):
     raise FileNotFoundError(
         f"no tokenizer at {file}: give a tokenizer.json or a HF checkpoint directory holding one")
-  hf = tokenizers.Tokenizer.from_file(file)
+  try:
+    hf = tokenizers.Tokenizer.from_file(file)
+  except Exception as e:  # tokenizers raises a bare Exception that names no file
+    raise ValueError(
+        f"{file} is not a tokenizer ({e}): a tokenizer path must be a directory holding "
+        "tokenizer.json, or a tokenizer.json file, as written by Hugging Face tokenizers") from e
   if config_file is not None and os.path.exists(config_file):
     with open(config_file, encoding="utf-8") as f:
       config = json.load(f)

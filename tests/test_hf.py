@@ -22,6 +22,7 @@ import pytest
 from flax import nnx
 
 from kdjax.models import hf
+from kdjax.models.llama import ModelConfig, Transformer, rope_inv_freq
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDE_VENV = ROOT / ".venv-hf"
@@ -226,3 +227,33 @@ def test_bfloat16_teacher_close(checkpoints):
   real = inputs["segment_ids"] != 0
   ref = refs["qwen3"][..., :got.shape[-1]][real]
   assert np.abs(got[real] - ref).max() / np.abs(ref).max() < 3e-2
+
+
+# Reads a config.json with transformers, every warning shown, and prints its llama3 rope
+# frequencies.
+SIDE_ROPE = """
+import json, sys, warnings
+import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+warnings.simplefilter("always")
+transformers.logging.set_verbosity_warning()
+config = transformers.AutoConfig.from_pretrained(sys.argv[1])
+print(json.dumps(ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")[0].tolist()))
+"""
+
+
+def test_llama3_rope_export_reads_cleanly(side_python, tmp_path):
+  cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
+                    d_ff=48, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=True,
+                    qk_norm=False, rope_scaling=ARCHS["llama3_untied"]["config"]["rope_scaling"])
+  hf.export(Transformer(cfg, rngs=nnx.Rngs(0)), cfg, str(tmp_path))
+  scaling = json.load(open(tmp_path / "config.json"))["rope_scaling"]
+  assert type(scaling["original_max_position_embeddings"]) is int
+  proc = subprocess.run([side_python, "-c", SIDE_ROPE, str(tmp_path)], capture_output=True,
+                        text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  assert not proc.stderr, f"transformers warned on reading the export:\n{proc.stderr}"
+  expected = rope_inv_freq(cfg)
+  np.testing.assert_array_equal(rope_inv_freq(hf.load(str(tmp_path))[1]), expected)
+  # transformers computes the frequencies in float32, kdjax in float64 rounded once: one ulp apart.
+  np.testing.assert_array_max_ulp(np.array(json.loads(proc.stdout), np.float32), expected, 1)

@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import os
+import re
 import tracemalloc
 
 import jax
@@ -196,3 +197,38 @@ def test_export_over_previous_export_with_tokenizer(tmp_path, monkeypatch):
   assert (config["eos_token_id"], config["max_position_embeddings"]) == (7, 99)
   assert config["hidden_size"] == 16
   assert hf.load(str(out), dtype="bfloat16", param_dtype="float32")[1] == cfg
+
+
+def test_path_is_a_file_or_missing(tmp_path):
+  path = write(tmp_path, make_cfg())
+  for name in ("config.json", "model.safetensors"):
+    file = os.path.join(path, name)
+    for read in (hf.load, hf.config_from_hf):
+      with pytest.raises(hf.CheckpointError, match=f"{re.escape(file)} is a file; hf_path must be "
+                         r"the checkpoint directory \(the one holding config.json"):
+        read(file)
+  missing = str(tmp_path / "nowhere")
+  with pytest.raises(hf.CheckpointError, match=f"{re.escape(missing)} does not exist; hf_path "
+                     "must be a Hugging Face checkpoint directory"):
+    hf.load(missing)
+
+
+def test_export_writes_integer_fields_as_ints(tmp_path):
+  # ModelConfig holds rope_scaling values as floats; transformers wants this one as an int.
+  cfg = make_cfg(vocab_size=np.int64(70))
+  config = json.load(open(os.path.join(write(tmp_path, cfg), "config.json")))
+  ints = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")
+  assert all(type(config[k]) is int for k in ints)
+  assert type(config["rope_scaling"]["original_max_position_embeddings"]) is int
+  assert hf.config_from_hf(os.path.join(tmp_path, "ckpt")) == cfg
+
+
+def test_sharded_load_shows_progress(tmp_path, monkeypatch, capsys):
+  path = write(tmp_path, make_cfg())
+  hf.load(path)
+  assert "loading ckpt" not in capsys.readouterr().err  # one file: no bar
+  monkeypatch.setattr(hf, "_SHARD_BYTES", 3000)
+  path = write(tmp_path, make_cfg())
+  hf.load(path)
+  assert "loading ckpt" in capsys.readouterr().err

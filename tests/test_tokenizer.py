@@ -89,3 +89,16 @@ def test_save_as_dir_and_missing_path(trained, tmp_path):
   assert tokenizer.tokenizer_hash(loaded) == tokenizer.tokenizer_hash(tok)
   with pytest.raises(FileNotFoundError, match="tokenizer.json"):
     tokenizer.load(str(tmp_path / "nowhere"))
+
+
+def test_load_names_what_is_wrong(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+  (tmp_path / "model.safetensors").write_bytes(bytes(range(256)))
+  for name in ("config.json", "model.safetensors"):
+    file = str(tmp_path / name)
+    with pytest.raises(ValueError, match=f"{file} is not a tokenizer .*must be a directory "
+                       "holding tokenizer.json, or a tokenizer.json file"):
+      tokenizer.load(file)
+  with pytest.raises(FileNotFoundError, match=f"{tmp_path} has no tokenizer.json "
+                     r"\(it holds \['config.json', 'model.safetensors'\]\)"):
+    tokenizer.load(str(tmp_path))

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
+from tqdm import tqdm
 
 from kdjax.models.llama import ModelConfig, Transformer
 
@@ -48,6 +49,17 @@ def _read_json(path: str) -> dict:
   except FileNotFoundError:
     raise CheckpointError(f"{path} not found: a Hugging Face checkpoint directory needs "
                           "config.json next to its *.safetensors files.") from None
+
+
+def _check_dir(path: str) -> None:
+  # Without this, a file path fails deep inside as "Not a directory: .../config.json".
+  if os.path.isfile(path):
+    raise CheckpointError(f"{path} is a file; hf_path must be the checkpoint directory (the one "
+                          f"holding config.json and *.safetensors), here "
+                          f"{os.path.dirname(os.path.abspath(path))}.")
+  if not os.path.exists(path):
+    raise CheckpointError(f"{path} does not exist; hf_path must be a Hugging Face checkpoint "
+                          "directory holding config.json and *.safetensors.")
 
 
 def real_vocab_size(path: str) -> int | None:
@@ -83,6 +95,7 @@ def config_from_hf(path: str, *, dtype: str = "float32", param_dtype: str | None
   tokenizer_vocab: the run's tokenizer size, when known; it must match the checkpoint's
   tokenizer.json if there is one, and sets real_vocab_size where there is none.
   """
+  _check_dir(path)
   hf = _read_json(os.path.join(path, "config.json"))
   model_type = hf.get("model_type")
   if model_type not in SUPPORTED:
@@ -196,8 +209,9 @@ def load(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
     tokenizer_vocab: the run's tokenizer size, if known: checked against the checkpoint's
       tokenizer.json, and used as real_vocab_size when the directory has none.
   Returns:
-    (model, cfg). Raises CheckpointError for unsupported architectures, missing or inconsistent
-    shards, missing/unexpected tensors, wrong shapes, or non-float (quantised) tensors.
+    (model, cfg). Raises CheckpointError for a path that is a file or missing, unsupported
+    architectures, missing or inconsistent shards, missing/unexpected tensors, wrong shapes, or
+    non-float (quantised) tensors.
   """
   cfg = config_from_hf(path, dtype=dtype, param_dtype=param_dtype, remat=remat,
                        tokenizer_vocab=tokenizer_vocab)
@@ -220,44 +234,59 @@ def load(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
   for entry in wanted:
     by_file.setdefault(weight_map[entry[0]], []).append(entry)
   target = jnp.dtype(cfg.param_dtype)
-  for file, entries in sorted(by_file.items()):
-    with safe_open(os.path.join(path, file), "np") as f:
-      names = set(f.keys())
-      for name, hf_shape, kd_path, kd_shape in entries:
-        if name not in names:
-          raise CheckpointError(f"{path}: the index puts {name} in {file}, which lacks it; the "
-                                "shards and index are inconsistent.")
-        sl = f.get_slice(name)
-        if sl.get_dtype() not in _FLOAT_TYPES:
-          raise CheckpointError(f"{path}: {name} is stored as {sl.get_dtype()}; kdjax loads "
-                                f"{_FLOAT_TYPES} checkpoints only (dequantise first).")
-        if tuple(sl.get_shape()) != hf_shape:
-          raise CheckpointError(f"{path}: {name} has shape {tuple(sl.get_shape())}, config.json "
-                                f"implies {hf_shape}.")
-        # One tensor on the host at a time; layout change and cast happen on the device.
-        w = _to_kdjax(name, jnp.asarray(f.get_tensor(name)).astype(target), kd_shape)
-        var = model
-        for key in kd_path:
-          var = var[key] if isinstance(key, int) else getattr(var, key)
-        var.set_value(w)
+  # A bar for sharded checkpoints only, as transformers does: those are the ones that take minutes.
+  with tqdm(total=len(wanted), desc=f"loading {os.path.basename(os.path.normpath(path))}",
+            unit="tensor", leave=False, disable=len(by_file) == 1) as bar:
+    for file, entries in sorted(by_file.items()):
+      with safe_open(os.path.join(path, file), "np") as f:
+        names = set(f.keys())
+        for name, hf_shape, kd_path, kd_shape in entries:
+          if name not in names:
+            raise CheckpointError(f"{path}: the index puts {name} in {file}, which lacks it; "
+                                  "the shards and index are inconsistent.")
+          sl = f.get_slice(name)
+          if sl.get_dtype() not in _FLOAT_TYPES:
+            raise CheckpointError(f"{path}: {name} is stored as {sl.get_dtype()}; kdjax loads "
+                                  f"{_FLOAT_TYPES} checkpoints only (dequantise first).")
+          if tuple(sl.get_shape()) != hf_shape:
+            raise CheckpointError(f"{path}: {name} has shape {tuple(sl.get_shape())}, "
+                                  f"config.json implies {hf_shape}.")
+          # One tensor on the host at a time; layout change and cast happen on the device.
+          w = _to_kdjax(name, jnp.asarray(f.get_tensor(name)).astype(target), kd_shape)
+          var = model
+          for key in kd_path:
+            var = var[key] if isinstance(key, int) else getattr(var, key)
+          var.set_value(w)
+          bar.update()
   return model, cfg
 
 
 def hf_config(cfg: ModelConfig, *, torch_dtype: str) -> dict:
-  """config.json contents for a ModelConfig (rope keys in the pre-5 layout, read by all)."""
+  """config.json contents for a ModelConfig (rope keys in the pre-5 layout, read by all).
+
+  Fields HF types as int are written as ints: ModelConfig keeps rope_scaling values as floats,
+  and transformers warns on every load about a float original_max_position_embeddings; shape
+  fields may be numpy integers, which json cannot write.
+  """
   model_type = "qwen3" if cfg.qk_norm else "llama"
   out = {
       "architectures": [SUPPORTED[model_type]], "model_type": model_type,
-      "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
-      "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-      "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-      "intermediate_size": cfg.d_ff, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
-      "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
-      "attention_bias": False, "torch_dtype": torch_dtype,
-      "max_position_embeddings": _DEFAULT_MAX_POSITIONS,
+      "vocab_size": int(cfg.vocab_size), "hidden_size": int(cfg.d_model),
+      "num_hidden_layers": int(cfg.n_layers), "num_attention_heads": int(cfg.n_heads),
+      "num_key_value_heads": int(cfg.n_kv_heads), "head_dim": int(cfg.head_dim),
+      "intermediate_size": int(cfg.d_ff), "rms_norm_eps": float(cfg.norm_eps),
+      "hidden_act": "silu", "rope_theta": float(cfg.rope_theta),
+      "tie_word_embeddings": bool(cfg.tie_embeddings), "attention_bias": False,
+      "torch_dtype": torch_dtype, "max_position_embeddings": _DEFAULT_MAX_POSITIONS,
   }
   if cfg.rope_scaling is not None:
-    out["rope_scaling"] = {"rope_type": "llama3", **dict(cfg.rope_scaling)}
+    scaling = dict(cfg.rope_scaling)
+    original = scaling["original_max_position_embeddings"]
+    if original != int(original):
+      raise ValueError(f"rope_scaling.original_max_position_embeddings must be a whole number of "
+                       f"positions, got {original}.")
+    scaling["original_max_position_embeddings"] = int(original)
+    out["rope_scaling"] = {"rope_type": "llama3", **scaling}
   if model_type == "llama":
     out["mlp_bias"] = False
   else:
