@@ -67,15 +67,37 @@ def new_model(group, vocab_size: int, seed: int) -> tuple[nnx.Module, llama.Mode
   return llama.Transformer(cfg, rngs=nnx.Rngs(seed)), cfg
 
 
+def model_config_of(group, vocab_size: int) -> llama.ModelConfig:
+  """The shapes of a group's model without building it: its checkpoint's config.json, or the
+  group's fields (vocab_size 0: the tokenizer's)."""
+  if group.hf_path:
+    from kdjax.models import hf
+    return hf.config_from_hf(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
+                             remat=group.remat)
+  return model_config(group, vocab_size)
+
+
+def finished_model(c, paths: Paths, name: str, group, opt):
+  """The model run `name` trained, parameters only, if it finished; else None."""
+  cfg = model_config_of(group, load_tokenizer(c, paths).vocab_size)
+  return train.restore_finished(paths.run(name), cfg, opt.steps)
+
+
 def stage_data(c, paths: Paths):
   data.build(c.data, tokenizer_path=paths.tokenizer, train_path=paths.data("train"),
              eval_path=paths.data("eval"))
 
 
 def _fit(c, paths, name, group, opt, open_store, hard_labels):
-  """Trains (or restores, when finished) the model of `group` on open_store(model_cfg)."""
-  model, cfg = new_model(group, load_tokenizer(c, paths).vocab_size, c.seed)
-  model = train.fit(name=name, model=model, model_cfg=cfg, store=open_store(cfg),
+  """Trains the model of `group` on open_store(model_cfg); a finished run is restored instead."""
+  vocab = load_tokenizer(c, paths).vocab_size
+  store = open_store(model_config_of(group, vocab))  # refuses a mismatch, finished or not
+  done = finished_model(c, paths, name, group, opt)
+  if done is not None:
+    logging.info("%s: finished (step %d), restored", name, opt.steps)
+    return done, done.cfg
+  model, cfg = new_model(group, vocab, c.seed)
+  model = train.fit(name=name, model=model, model_cfg=cfg, store=store,
                     workdir=paths.run(name), opt=opt, loss_cfg=c.loss, hard_labels=hard_labels,
                     seed=c.seed)
   return model, cfg
@@ -92,10 +114,12 @@ def stage_pretrain(c, paths: Paths):
 def load_teacher(c, paths: Paths):
   if c.teacher.hf_path:
     return new_model(c.teacher, 0, c.seed)[0]
-  if not os.path.isdir(paths.run("teacher")):
+  model = finished_model(c, paths, "teacher", c.teacher, c.pretrain)
+  if model is None:
     raise FileNotFoundError(
-        "no teacher: set teacher.hf_path to a Hugging Face checkpoint, or add stage 'pretrain'")
-  return stage_pretrain(c, paths)[0]  # the finished teacher, restored without training again
+        f"no finished teacher in {paths.run('teacher')}: set teacher.hf_path to a Hugging Face "
+        "checkpoint directory, or add stage 'pretrain' before 'cache'.")
+  return model
 
 
 def teacher_hash(c, paths: Paths) -> str:
@@ -157,13 +181,16 @@ def stage_eval(c, paths: Paths):
   eval_store = cache.open(paths.cache("eval"))
   vocab = load_tokenizer(c, paths).vocab_size
   models = {"student_init": new_model(c.student, vocab, c.seed)[0]}
-  if not c.teacher.hf_path and "pretrain" in c.stages:
-    models["teacher"] = load_teacher(c, paths)
-  # Finished runs restore from their final checkpoint without training again.
-  if "train" in c.stages:
-    models["student"] = stage_train(c, paths)[0]
-  if "baseline" in c.stages:
-    models["baseline"] = stage_baseline(c, paths)[0]
+  # Every finished model of the workdir, whichever stages this run lists.
+  runs = [("student", c.student, c.opt), ("baseline", c.student, c.opt)]
+  if not c.teacher.hf_path:
+    runs.insert(0, ("teacher", c.teacher, c.pretrain))
+  for name, group, opt in runs:
+    model = finished_model(c, paths, name, group, opt)
+    if model is not None:
+      models[name] = model
+    elif os.path.isdir(paths.run(name)):
+      logging.warning("eval: %s has not finished its %d steps; not evaluated", name, opt.steps)
   results = {name: evaluate.evaluate(m, eval_store, batch_size=c.eval.batch_size,
                                      max_seqs=c.eval.max_seqs,
                                      chunk_size=c.loss.chunk_size or None,
@@ -185,7 +212,12 @@ def stage_eval(c, paths: Paths):
 def stage_export(c, paths: Paths):
   """Writes the distilled student as a Hugging Face checkpoint directory: <workdir>/export."""
   from kdjax.models import hf
-  model, cfg = stage_train(c, paths)
+  model = finished_model(c, paths, "student", c.student, c.opt)
+  if model is None:
+    raise FileNotFoundError(
+        f"no finished student in {paths.run('student')} (opt.steps = {c.opt.steps}): run stage "
+        "'train' before 'export'.")
+  cfg = model.cfg
   candidates = (c.student.hf_path, c.data.tokenizer, os.path.dirname(paths.tokenizer))
   tokenizer_dir = next(d for d in candidates
                        if d and os.path.exists(os.path.join(d, "tokenizer.json")))

@@ -22,7 +22,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from kdjax import cache, kernels
+from kdjax import cache, kernels, tensorboard
 from kdjax.models import attention, llama
 
 H200_BF16_FLOPS = 989e12  # dense bf16 peak, for MFU
@@ -204,27 +204,67 @@ class Checkpoints:
     self.manager.wait_until_finished()
 
   def restore(self, step: int, abstract_state):
+    self._check_model(step)
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), loader=ocp.args.JsonRestore()))
+    return out["state"], out["loader"]
+
+  def _check_model(self, step: int):
     meta = self.manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
     if meta != self.model_meta:
       diff = {k: (meta.get(k), v) for k, v in self.model_meta.items() if meta.get(k) != v}
       raise ValueError(
           f"{self.manager.directory} holds a checkpoint of a different model (saved vs config: "
           f"{diff}). Use another workdir, or delete that checkpoint to start over.")
-    out = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), loader=ocp.args.JsonRestore()))
-    return out["state"], out["loader"]
+
+  def restore_params(self, step: int, abstract_params):
+    """The parameters of checkpoint `step` alone: AdamW's moments are neither read nor allocated."""
+    self._check_model(step)
+    target = {"params": abstract_params}
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    path = os.path.join(str(self.manager.directory), str(step), "state")
+    return ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
+        target, restore_args=restore_args, partial_restore=True))["params"]
 
   def close(self):
     self.manager.close()
 
 
-def _log_line(name, step, steps, m, lr, tok_s, mfu, mem_gib):
+def restore_finished(workdir: str, model_cfg: llama.ModelConfig, steps: int):
+  """The model a run in `workdir` trained, if it finished (a checkpoint at step >= steps), else
+  None. Reads the parameters only: restoring a 3B student this way reads 13 GB, not 38."""
+  directory = os.path.join(workdir, "ckpt")
+  if not os.path.isdir(directory):
+    return None
+  ckpt = Checkpoints(directory, model_cfg)
+  try:
+    step = ckpt.latest_step()
+    if step is None or step < steps:
+      return None
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    graphdef, abstract = nnx.split(nnx.eval_shape(
+        lambda: llama.Transformer(model_cfg, rngs=nnx.Rngs(0))))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                            abstract)
+    return nnx.merge(graphdef, ckpt.restore_params(step, abstract))
+  finally:
+    ckpt.close()
+
+
+def _log_line(name, step, steps, m, lr, tok_s, mfu, mem_gib, eta_s):
   extra = f" top1 {m['top1']:.3f} ent {m['entropy']:.3f}" if "top1" in m else ""
   extra += f" lr {lr:.2e} tok/s {tok_s:.0f}"
   extra += f" mfu {mfu:.1%}" if mfu is not None else ""
   extra += f" mem {mem_gib:.1f}GiB" if mem_gib is not None else ""
+  extra += f" eta {_duration(eta_s)}" if eta_s is not None else ""
   logging.info("%s step %d/%d loss %.4f kl %.4f ce %.4f%s", name, step, steps, m["loss"], m["kl"],
                m["ce"], extra)
+
+
+def _duration(seconds: float) -> str:
+  minutes, secs = divmod(int(round(seconds)), 60)
+  hours, minutes = divmod(minutes, 60)
+  return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 def _peak_memory_gib():
@@ -232,11 +272,35 @@ def _peak_memory_gib():
   return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
 
 
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _keep_metrics_until(path: str, step: int):
+  """Drops the lines of steps after `step` (run again after a resume) and a torn last line."""
+  if not os.path.exists(path):
+    return
+  kept = []
+  with open(path) as f:
+    for line in f:
+      try:
+        if json.loads(line)["step"] <= step:
+          kept.append(line if line.endswith("\n") else line + "\n")
+      except (ValueError, KeyError):  # a line cut by a kill
+        continue
+  with open(path + ".tmp", "w") as f:
+    f.writelines(kept)
+  os.replace(path + ".tmp", path)
+
+
 def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, workdir: str,
         opt, loss_cfg, hard_labels: bool, seed: int) -> nnx.Module:
   """Trains `model` for opt.steps on `store`, resuming from workdir/ckpt; returns the trained model.
 
-  Returns at once when the final checkpoint exists (the stage is complete).
+  Returns at once when the final checkpoint exists (the stage is complete). A checkpoint is
+  written only after its step's metrics and parameters are checked finite, and metrics.jsonl then
+  holds exactly one line per logged step up to it (a resume drops the lines of later steps).
   """
   os.makedirs(workdir, exist_ok=True)
   tx, schedule = make_optimizer(opt)
@@ -246,6 +310,8 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
   loader = cache.Loader(store, opt.batch_size * opt.accum_steps, seed=seed, shuffle=True)
   ckpt = Checkpoints(os.path.join(workdir, "ckpt"), model_cfg)
   start = ckpt.latest_step() or 0
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  _keep_metrics_until(metrics_path, start)
   if start:
     state, loader_state = ckpt.restore(start, jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
     loader.restore(loader_state)
@@ -260,54 +326,83 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
   step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx, loss=loss,
                               state_memory=opt.state_memory)
   max_documents = 1  # only grows (documents_bound), so the step compiles at most log2(T) times
-  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  events = tensorboard.EventWriter(os.path.join(workdir, "tensorboard"))
+  last_saved = start
+  clock = {"time": time.perf_counter(), "step": start, "wait": 0.0, "first": None}
 
-  def report(step, metrics, t_prev, step_prev):
-    m = {k: float(v) for k, v in metrics.items()}  # blocks until `step` is done
+  def report(step, metrics):
+    """Checks and logs one step's metrics (blocks until that step is done)."""
+    m = {k: float(v) for k, v in metrics.items()}
     now = time.perf_counter()
     if not all(np.isfinite(list(m.values()))):
       raise FloatingPointError(
-          f"{name}: non-finite metrics at step {step}: {m}. Lower opt.lr, check the cache with "
-          "'python -m kdjax.cache verify', or resume from the last checkpoint.")
-    tok_s = tokens_per_step * (step - step_prev) / (now - t_prev)
-    mfu = flops_per_step * (step - step_prev) / (now - t_prev) / H200_BF16_FLOPS if on_gpu else None
+          f"{name}: non-finite metrics at step {step}: {m}; no checkpoint was written after step "
+          f"{last_saved}. Lower opt.lr or check the cache with 'python -m kdjax.cache verify "
+          f"PATH', then run the same command again: it resumes from step {last_saved}.")
+    elapsed, done = now - clock["time"], step - clock["step"]
+    tok_s = tokens_per_step * done / elapsed
+    mfu = flops_per_step * done / elapsed / H200_BF16_FLOPS if on_gpu else None
+    if clock["first"] is None:  # the ETA leaves out the first (compiling) step
+      clock["first"] = (now, step)
+    first_t, first_step = clock["first"]
+    eta = (now - first_t) / (step - first_step) * (opt.steps - step) if step > first_step else None
     mem, lr = _peak_memory_gib(), float(schedule(step - 1))
-    _log_line(name, step, opt.steps, m, lr, tok_s, mfu, mem)
+    wait = clock["wait"] / elapsed
+    _log_line(name, step, opt.steps, m, lr, tok_s, mfu, mem, eta)
+    line = {"step": step, **m, "lr": lr, "tokens_per_s": tok_s, "mfu": mfu, "peak_mem_gib": mem,
+            "data_wait_frac": wait, "time": time.time()}
     with open(metrics_path, "a") as f:
-      f.write(json.dumps({"step": step, **m, "lr": lr, "tokens_per_s": tok_s, "mfu": mfu,
-                          "peak_mem_gib": mem, "time": time.time()}) + "\n")
-    return now, step
+      f.write(json.dumps(line) + "\n")
+    events.scalars(step, {k: v for k, v in line.items() if k not in ("step", "time")})
+    clock.update(time=now, step=step, wait=0.0)
+
+  def save(step):
+    nonlocal last_saved
+    if not bool(_all_finite(state["params"])):
+      raise FloatingPointError(
+          f"{name}: the parameters after step {step} are not finite; no checkpoint was written "
+          f"after step {last_saved}. Lower opt.lr, then run the same command again: it resumes "
+          f"from step {last_saved}.")
+    ckpt.save(step, state, loader_state)
+    last_saved = step
 
   # SIGTERM (a pre-empted job) saves a checkpoint like Ctrl-C does, so no finished step is lost.
   def on_sigterm(*_):
     raise KeyboardInterrupt
   previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
-  pending, clock = None, (time.perf_counter(), start)
+  pending = None  # (step, metrics) dispatched but not yet reported
   loader_state = loader.state()  # always the position matching `state`
   try:
     for step in range(start + 1, opt.steps + 1):
+      t0 = time.perf_counter()
       batch = to_step_batch(next(loader), opt.accum_steps, hard_labels)
+      clock["wait"] += time.perf_counter() - t0
       max_documents = max(max_documents, attention.documents_bound(batch["segment_ids"]))
       state, metrics, grads_sum = step_fn(state, grads_sum, batch, max_documents=max_documents)
       loader_state = loader.state()
-      # Read step t-1's metrics only after step t is dispatched: the host never stalls the device.
+      # Step t-1's metrics are read only after step t is dispatched: the host never stalls the
+      # device. A checkpoint step is reported before it is saved.
       if pending is not None:
-        clock = report(*pending, *clock)
+        report(*pending)
         pending = None
       if step % opt.log_every == 0 or step == opt.steps:
         pending = (step, metrics)
       if step % opt.ckpt_every == 0 or step == opt.steps:
-        ckpt.save(step, state, loader_state)
-    if pending is not None:
-      report(*pending, *clock)
+        if pending is not None:
+          report(*pending)
+          pending = None
+        save(step)
   except KeyboardInterrupt:
     done = int(state["step"])
-    if done > (ckpt.latest_step() or 0):
-      ckpt.save(done, state, loader_state)
+    if pending is not None and pending[0] <= done:
+      report(*pending)
+    if done > last_saved:
+      save(done)
       logging.info("%s: interrupted; saved step %d", name, done)
     raise
   finally:
     signal.signal(signal.SIGTERM, previous_handler)
     loader.close()
     ckpt.close()
+    events.close()
   return nnx.merge(graphdef, state["params"])

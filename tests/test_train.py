@@ -130,6 +130,67 @@ def test_non_finite_loss_names_the_step(tmp_path):
               hard_labels=False, seed=0)
 
 
+def test_nan_after_a_checkpoint_keeps_that_checkpoint_and_writes_none(tmp_path, monkeypatch):
+  """A step that turns the state non-finite is caught before its checkpoint: the latest
+  checkpoint stays the last finite one, and the error names it."""
+  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+  real_step = train.train_step
+  calls = {"n": 0}
+
+  def poisoned_at_3(state, grads_sum, batch, **kw):
+    calls["n"] += 1
+    state, metrics, grads_sum = real_step(state, grads_sum, batch, **kw)
+    if calls["n"] == 3:
+      state = {**state, "params": jax.tree.map(lambda x: x * jnp.nan, state["params"])}
+    return state, metrics, grads_sum
+
+  monkeypatch.setattr(train, "train_step", poisoned_at_3)
+  with pytest.raises(FloatingPointError, match="resumes from step 2"):
+    fit(tmp_path, store, opt=opt_group(steps=6, ckpt_every=2, log_every=1))
+  assert train.Checkpoints(str(tmp_path / "run" / "ckpt"), tiny_model_cfg()).latest_step() == 2
+
+
+def test_metrics_are_exact_across_interruptions(tmp_path, monkeypatch):
+  """One line per logged step after an interruption and a resume: no step lost, none twice, a
+  torn last line (kill -9 mid-write) dropped."""
+  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+  real_batch = train.to_step_batch
+  calls = {"n": 0}
+
+  def interrupted_at_4(*args, **kw):
+    calls["n"] += 1
+    if calls["n"] == 4:
+      raise KeyboardInterrupt  # as SIGTERM does in fit
+    return real_batch(*args, **kw)
+
+  monkeypatch.setattr(train, "to_step_batch", interrupted_at_4)
+  with pytest.raises(KeyboardInterrupt):
+    fit(tmp_path, store, opt=opt_group(steps=6, ckpt_every=5, log_every=1))
+  path = tmp_path / "run" / "metrics.jsonl"
+  assert [m["step"] for m in read_metrics(path)] == [1, 2, 3]  # saved at step 3 on the way out
+  with open(path, "a") as f:  # lines of steps the checkpoint does not hold, one torn
+    f.write('{"step": 4, "loss": 1.0}\n{"step": 5, "lo')
+  monkeypatch.setattr(train, "to_step_batch", real_batch)
+  fit(tmp_path, store, opt=opt_group(steps=6, ckpt_every=5, log_every=1))
+  steps = [m["step"] for m in read_metrics(path)]
+  assert steps == [1, 2, 3, 4, 5, 6]
+  assert all("data_wait_frac" in m for m in read_metrics(path))
+  assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_restore_finished_reads_the_parameters_only(tmp_path):
+  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+  trained = params_of(fit(tmp_path, store, opt=opt_group(steps=4)))
+  workdir = str(tmp_path / "run")
+  assert train.restore_finished(workdir, tiny_model_cfg(), steps=5) is None  # not finished
+  assert train.restore_finished(str(tmp_path / "none"), tiny_model_cfg(), steps=4) is None
+  restored = train.restore_finished(workdir, tiny_model_cfg(), steps=4)
+  for a, b in zip(trained, params_of(restored)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="different model"):
+    train.restore_finished(workdir, tiny_model_cfg(d_model=48), steps=4)
+
+
 def test_to_step_batch_shapes_and_one_hot_teacher():
   rows = {"tokens": np.arange(4 * T, dtype=np.int32).reshape(4, T),
           "positions": np.zeros((4, T), np.int32), "segment_ids": np.ones((4, T), np.int32),
