@@ -2,6 +2,9 @@
 
 `configs/*.py` start from `base()` and override values; nothing else in kdjax has defaults.
 """
+import difflib
+import re
+
 import ml_collections
 
 STAGES = ("data", "pretrain", "cache", "train", "baseline", "eval", "export")
@@ -120,21 +123,25 @@ def _check_model(name: str, g):
   if g.hf_path:
     return  # shapes come from the checkpoint and are checked on load
   for f in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
-    _require(g[f] > 0, f"{name}.{f} must be > 0 (got {g[f]})")
-  _require(g.vocab_size >= 0, f"{name}.vocab_size must be >= 0 (0 = tokenizer size)")
+    _require(g[f] > 0, f"{name}.{f} must be > 0, got {g[f]}")
+  _require(g.vocab_size >= 0,
+           f"{name}.vocab_size must be >= 0 (0 = tokenizer size), got {g.vocab_size}")
   _require(g.n_heads % g.n_kv_heads == 0,
            f"{name}.n_heads ({g.n_heads}) must be a multiple of {name}.n_kv_heads ({g.n_kv_heads})")
-  _require(g.dtype in DTYPES and g.param_dtype in DTYPES, f"{name} dtypes must be one of {DTYPES}")
+  for f in ("dtype", "param_dtype"):
+    _require(g[f] in DTYPES, f"{name}.{f} must be one of {DTYPES}, got {g[f]!r}")
 
 
 def _check_opt(name: str, g):
-  _require(g.lr > 0, f"{name}.lr must be > 0")
-  _require(0 <= g.min_lr_ratio <= 1, f"{name}.min_lr_ratio must be in [0, 1]")
-  _require(0 <= g.warmup_steps < max(g.steps, 1), f"{name}.warmup_steps must be in [0, steps)")
-  _require(g.steps > 0 and g.batch_size > 0 and g.accum_steps > 0,
-           f"{name}.steps, batch_size and accum_steps must be > 0")
-  _require(g.log_every > 0 and g.ckpt_every > 0, f"{name}.log_every and ckpt_every must be > 0")
-  _require(g.grad_clip > 0 and g.weight_decay >= 0, f"{name}.grad_clip must be > 0, weight_decay >= 0")
+  # steps first: the other step counts are checked against it.
+  for f in ("steps", "batch_size", "accum_steps", "log_every", "ckpt_every"):
+    _require(g[f] >= 1, f"{name}.{f} must be >= 1, got {g[f]}")
+  _require(g.lr > 0, f"{name}.lr must be > 0, got {g.lr}")
+  _require(0 <= g.min_lr_ratio <= 1, f"{name}.min_lr_ratio must be in [0, 1], got {g.min_lr_ratio}")
+  _require(0 <= g.warmup_steps < g.steps,
+           f"{name}.warmup_steps must be in [0, {name}.steps = {g.steps}), got {g.warmup_steps}")
+  _require(g.grad_clip > 0, f"{name}.grad_clip must be > 0, got {g.grad_clip}")
+  _require(g.weight_decay >= 0, f"{name}.weight_decay must be >= 0, got {g.weight_decay}")
   for field in ("accum_dtype", "state_dtype"):
     _require(g[field] in DTYPES, f"{name}.{field} must be one of {DTYPES}, got {g[field]!r}")
   _require(g.state_memory in ("device", "host"),
@@ -142,29 +149,73 @@ def _check_opt(name: str, g):
 
 
 def validate(c: ml_collections.ConfigDict):
-  """Raises ValueError naming the field and the allowed values."""
+  """Raises ValueError naming the field set wrong, its value and the allowed values."""
   unknown = [s for s in c.stages if s not in STAGES]
   _require(not unknown, f"unknown stages {unknown}; choose from {STAGES}")
   order = [STAGES.index(s) for s in c.stages]
   _require(order == sorted(order), f"stages must run in the order {STAGES}")
-  _require(c.data.seq_len >= 8, "data.seq_len must be >= 8")
-  _require(c.data.loss_mask in ("all", "assistant"), "data.loss_mask must be 'all' or 'assistant'")
-  _require(c.data.eval_every >= 2, "data.eval_every must be >= 2")
-  _require(c.cache.k > 0, "cache.k must be > 0")
-  _require(c.cache.layout in LAYOUTS, f"cache.layout must be one of {LAYOUTS}")
-  _require(c.cache.batch_size > 0 and c.cache.chunk_size > 0, "cache.batch_size, chunk_size > 0")
-  _require(0 <= c.cache.rank < c.cache.world, "cache.rank must be in [0, cache.world)")
-  _require(c.loss.objective in OBJECTIVES, f"loss.objective must be one of {OBJECTIVES}")
-  _require(c.loss.impl in IMPLS, f"loss.impl must be one of {IMPLS}")
-  _require(c.loss.temperature > 0, "loss.temperature must be > 0")
-  _require(c.loss.ce_weight >= 0, "loss.ce_weight must be >= 0")
-  _require(c.loss.chunk_size >= 0, "loss.chunk_size must be >= 0 (0: sized by the kernel)")
+  _require(c.data.seq_len >= 8, f"data.seq_len must be >= 8, got {c.data.seq_len}")
+  _require(c.data.loss_mask in ("all", "assistant"),
+           f"data.loss_mask must be 'all' or 'assistant', got {c.data.loss_mask!r}")
+  _require(c.data.eval_every >= 2, f"data.eval_every must be >= 2, got {c.data.eval_every}")
+  _require(c.cache.k > 0, f"cache.k must be > 0, got {c.cache.k}")
+  _require(c.cache.layout in LAYOUTS,
+           f"cache.layout must be one of {LAYOUTS}, got {c.cache.layout!r}")
+  for f in ("batch_size", "chunk_size", "world"):
+    _require(c.cache[f] > 0, f"cache.{f} must be > 0, got {c.cache[f]}")
+  _require(0 <= c.cache.rank < c.cache.world,
+           f"cache.rank must be in [0, cache.world = {c.cache.world}), got {c.cache.rank}")
+  _require(c.loss.objective in OBJECTIVES,
+           f"loss.objective must be one of {OBJECTIVES}, got {c.loss.objective!r}")
+  _require(c.loss.impl in IMPLS, f"loss.impl must be one of {IMPLS}, got {c.loss.impl!r}")
+  _require(c.loss.temperature > 0, f"loss.temperature must be > 0, got {c.loss.temperature}")
+  _require(c.loss.ce_weight >= 0, f"loss.ce_weight must be >= 0, got {c.loss.ce_weight}")
+  _require(c.loss.chunk_size >= 0,
+           f"loss.chunk_size must be >= 0 (0: sized by the kernel), got {c.loss.chunk_size}")
   _require(c.loss.dw_dtype in ("float32", "bfloat16"),
-           "loss.dw_dtype must be 'float32' or 'bfloat16'")
-  _require(c.eval.batch_size > 0 and c.eval.max_seqs >= 0, "eval.batch_size > 0, eval.max_seqs >= 0")
+           f"loss.dw_dtype must be 'float32' or 'bfloat16', got {c.loss.dw_dtype!r}")
+  _require(c.eval.batch_size > 0, f"eval.batch_size must be > 0, got {c.eval.batch_size}")
+  _require(c.eval.max_seqs >= 0, f"eval.max_seqs must be >= 0 (0 = all), got {c.eval.max_seqs}")
   _check_model("teacher", c.teacher)
   _check_model("student", c.student)
   _require("pretrain" not in c.stages or not c.teacher.hf_path,
            "stage 'pretrain' trains a teacher from scratch; drop it when teacher.hf_path is set")
   _check_opt("opt", c.opt)
   _check_opt("pretrain", c.pretrain)
+
+
+def unknown_override(c: ml_collections.ConfigDict, argv: list[str]) -> str | None:
+  """One line for the first `--config.group.field=value` of argv that names no field of `c`, with
+  the nearest valid names; None when every override names a field.
+
+  ml_collections reports such an override as three chained tracebacks naming only the last part.
+  """
+  for arg in argv:
+    match = re.match(r"--?(?:no)?config\.([^=]+)", arg)
+    message = match and _unknown_field(c, match.group(1))
+    if message:
+      return f"{arg.split('=')[0]}: {message}"
+  return None
+
+
+def _unknown_field(c, path: str) -> str | None:
+  group, names = c, path.split(".")
+  for i, name in enumerate(names):
+    where = ".".join(names[:i])
+    if not isinstance(group, ml_collections.ConfigDict):
+      return f"{where} is a value, not a group of fields"
+    if name not in group:
+      prefix = where + "." if where else ""
+      nearest = ", ".join(prefix + n for n in _nearest(name, list(group)))
+      return f"{where or 'the config'} has no field {name!r}; nearest: {nearest}"
+    group = group[name]
+  return None
+
+
+def _nearest(name: str, names: list[str]) -> list[str]:
+  """Up to three of `names` most like `name`; an abbreviation (learning_rate -> lr) counts first."""
+  initials = "".join(part[:1] for part in name.split("_"))
+  close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+  if initials in names and initials not in close:
+    close = [initials] + close[:2]
+  return close or difflib.get_close_matches(name, names, n=3, cutoff=0.0)

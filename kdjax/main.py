@@ -1,22 +1,49 @@
-"""Entry point: `python -m kdjax.main --config=configs/demo.py [--config.x=y ...]`."""
+"""Entry point: `python -m kdjax.main --config=configs/demo.py [--config.x=y ...]`.
+
+Bad input (kdjax.errors) prints one message and exits 1; --debug or KDJAX_DEBUG=1 adds its
+traceback. Ctrl-C (or SIGTERM while training) exits 130 after the run saved its checkpoint.
+"""
 import logging
+import sys
 
 import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from kdjax import pipeline
+from kdjax import config, errors, pipeline
 
 config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
+flags.DEFINE_bool("debug", False, "Show the traceback of user errors too (or set KDJAX_DEBUG=1).")
 flags.mark_flags_as_required(["config"])
+
+
+def parse_flags(argv):
+  """absl's parsing, but an override naming no config field is one line, not three tracebacks."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError):
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if path is None or errors.debug() or "--debug" in argv:
+      raise
+    message = config.unknown_override(flags.FLAGS["config"].parser.parse(path), argv)
+    if message is None:
+      raise
+    sys.exit(errors.message(message))
 
 
 def main(argv):
   del argv
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every checkpoint at INFO
   logging.info("devices: %s", jax.devices())
-  pipeline.run(flags.FLAGS.config)
+  try:
+    pipeline.run(flags.FLAGS.config)
+  except KeyboardInterrupt:
+    sys.exit(130)  # train.fit has saved and logged its last step
+  except Exception as e:
+    if flags.FLAGS.debug or errors.debug() or not errors.is_user_error(e):
+      raise
+    sys.exit(errors.message(e))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -1,6 +1,7 @@
 """Every config loads and validates; bad values and unknown fields fail with clear messages."""
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -41,22 +42,45 @@ def test_unknown_variant_is_rejected():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("loss.objective", "kl2", "loss.objective"),
-    ("loss.temperature", 0.0, "temperature"),
-    ("loss.impl", "cuda", "loss.impl"),
-    ("cache.k", 0, "cache.k"),
-    ("cache.layout", "fp8", "cache.layout"),
-    ("opt.lr", -1.0, "opt.lr"),
-    ("opt.warmup_steps", 10_000, "warmup"),
-    ("student.n_kv_heads", 3, "n_kv_heads"),
-    ("data.loss_mask", "user", "loss_mask"),
+    ("loss.objective", "kl2", "loss.objective must be one of"),
+    ("loss.temperature", 0.0, "loss.temperature must be > 0, got 0.0"),
+    ("loss.impl", "cuda", "loss.impl must be one of"),
+    ("cache.k", 0, "cache.k must be > 0, got 0"),
+    ("cache.layout", "fp8", "cache.layout must be one of"),
+    ("cache.chunk_size", 0, "cache.chunk_size must be > 0"),
+    ("cache.world", 0, "cache.world must be > 0"),
+    ("cache.rank", 1, "cache.rank must be in [0, cache.world = 1), got 1"),
+    ("opt.lr", -1.0, "opt.lr must be > 0, got -1.0"),
+    ("opt.steps", 0, "opt.steps must be >= 1, got 0"),
+    ("pretrain.steps", 0, "pretrain.steps must be >= 1, got 0"),
+    ("opt.warmup_steps", 10_000, "opt.warmup_steps must be in [0, opt.steps = 200), got 10000"),
+    ("opt.ckpt_every", 0, "opt.ckpt_every must be >= 1"),
+    ("opt.weight_decay", -0.1, "opt.weight_decay must be >= 0"),
+    ("eval.max_seqs", -1, "eval.max_seqs must be >= 0"),
+    ("student.param_dtype", "fp16", "student.param_dtype must be one of"),
+    ("student.n_kv_heads", 3, "student.n_heads (4) must be a multiple of student.n_kv_heads (3)"),
+    ("data.loss_mask", "user", "data.loss_mask must be 'all' or 'assistant'"),
 ])
 def test_out_of_range_values_name_the_field(field, value, message):
+  """The message names the field that was set (not one checked against it) and the valid range."""
   c = config.base()
   group, name = field.split(".")
   c[group][name] = value
-  with pytest.raises(ValueError, match=message):
+  with pytest.raises(ValueError, match=re.escape(f"config: {message}")):
     config.validate(c)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--config.opt.learning_rate=1e-3", "opt has no field 'learning_rate'; nearest: opt.lr"),
+    ("--config.loss.temp=2", "loss has no field 'temp'; nearest: loss.temperature"),
+    ("--config.optt.lr=1", "the config has no field 'optt'; nearest: opt"),
+    ("--config.opt.lr.x=1", "opt.lr is a value, not a group"),
+    ("--noconfig.student.remat_x", "student has no field 'remat_x'; nearest: student.remat"),
+])
+def test_unknown_override_names_the_field_and_nearest(override, message):
+  argv = ["kdjax", "--config=demo.py", "--config.opt.lr=1e-3", override]
+  assert message in config.unknown_override(config.base(), argv)
+  assert config.unknown_override(config.base(), argv[:3]) is None
 
 
 def test_stages_must_be_known_and_ordered():
@@ -75,5 +99,6 @@ def test_main_reports_bad_value_before_any_work(tmp_path):
        f"--config.workdir={tmp_path}/w", "--config.loss.temperature=-1"],
       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert out.returncode != 0
-  assert "temperature" in out.stderr
+  assert "loss.temperature must be > 0, got -1" in out.stderr
+  assert "Traceback" not in out.stderr
   assert not os.path.exists(tmp_path / "w" / "data")

@@ -4,6 +4,7 @@ import inspect
 import itertools
 import json
 import os
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -93,3 +94,15 @@ def test_missing_field_and_bad_paths(tmp_path):
     list(sources.documents(str(tmp_path / "x.csv")))
   with pytest.raises(sources.DataError, match="loss_mask"):
     list(sources.documents("stdlib", loss_mask="assistants"))
+
+
+def test_non_utf8_jsonl_names_file_line_and_offset(tmp_path):
+  path = tmp_path / "latin1.jsonl"
+  path.write_bytes(b'{"text": "ok"}\n\n{"text": "caf\xe9"}\n')
+  docs = sources.documents(str(path))
+  assert next(docs).text == "ok"
+  # Byte 29: 15 bytes of line 1, 1 of the empty line 2, 13 of line 3 before the latin-1 byte.
+  with pytest.raises(sources.DataError,
+                     match=re.escape(f"{path}: line 3: byte offset 29 is not UTF-8")) as e:
+    next(docs)
+  assert "must be UTF-8 encoded" in str(e.value)

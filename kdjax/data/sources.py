@@ -166,8 +166,16 @@ def _record_document(record, where, text_field, messages_field, renderer) -> Doc
 
 
 def _jsonl_records(path) -> Iterator[tuple[str, object]]:
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
+  # Read as bytes so that a decoding error can name its line and byte offset.
+  offset = 0  # of the line's first byte in the file
+  with open(path, "rb") as f:
+    for lineno, raw in enumerate(f, 1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise DataError(f"{path}: line {lineno}: byte offset {offset + e.start} is not UTF-8 "
+                        f"({e.reason}); .jsonl files must be UTF-8 encoded") from e
+      offset += len(raw)
       if not line.strip():
         continue
       try:
