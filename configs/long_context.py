@@ -12,8 +12,9 @@ def llama_8b_teacher(c):
 
 
 def llama_3b_student(c):
-  # Llama-3.2-3B shapes, trained from scratch unless student.hf_path names a checkpoint.
-  c.student.update(vocab_size=128256, d_model=3072, n_layers=28, n_heads=24, n_kv_heads=8,
+  # Llama-3.2-3B shapes, trained from scratch unless student.hf_path names a checkpoint; its
+  # vocabulary is the tokenizer's (Llama-3's: 128256), so another teacher's tokenizer just works.
+  c.student.update(vocab_size=0, d_model=3072, n_layers=28, n_heads=24, n_kv_heads=8,
                    head_dim=128, d_ff=8192, rope_theta=500000.0, tie_embeddings=True,
                    dtype="bfloat16", param_dtype="float32")
 

@@ -2,6 +2,7 @@
 
 Outputs under the workdir:
   config.json                 the resolved config of the latest run
+  stages.jsonl                one line per finished stage: wall time, peak device memory
   data/{train,eval}.zarr      tokenised, packed sequences (k = 0 stores); data/tokenizer.json
   teacher/                    (stage pretrain) the teacher's checkpoints and metrics.jsonl
   cache/{train,eval}.zarr     the teacher's top-k per position (or cache.path)
@@ -15,11 +16,13 @@ import hashlib
 import json
 import logging
 import os
+import time
 
+import jax
 import ml_collections
 from flax import nnx
 
-from kdjax import cache, config, data, evaluate, plots, teacher, tokenizer, train
+from kdjax import cache, checks, config, data, evaluate, plots, teacher, tokenizer, train
 from kdjax.models import llama
 
 
@@ -61,8 +64,11 @@ def new_model(group, vocab_size: int, seed: int) -> tuple[nnx.Module, llama.Mode
   """A model from its Hugging Face checkpoint (group.hf_path) or freshly initialised."""
   if group.hf_path:
     from kdjax.models import hf  # imported lazily: only runs with checkpoints need safetensors
-    return hf.load(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
-                   remat=group.remat)
+    start = time.perf_counter()
+    model, cfg = hf.load(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
+                         remat=group.remat)
+    logging.info("loaded %s in %.1f s", group.hf_path, time.perf_counter() - start)
+    return model, cfg
   cfg = model_config(group, vocab_size)
   return llama.Transformer(cfg, rngs=nnx.Rngs(seed)), cfg
 
@@ -250,10 +256,25 @@ STAGES = {"data": stage_data, "pretrain": stage_pretrain, "cache": stage_cache,
 
 def run(c: ml_collections.ConfigDict):
   config.validate(c)
+  paths = Paths.from_config(c)
+  checks.check_inputs(c, paths.tokenizer)
   os.makedirs(c.workdir, exist_ok=True)
   with open(os.path.join(c.workdir, "config.json"), "w") as f:
     f.write(c.to_json_best_effort(indent=2))
-  paths = Paths.from_config(c)
   for name in c.stages:
     logging.info("stage %s", name)
+    start = time.perf_counter()
     STAGES[name](c, paths)
+    record_stage(c.workdir, name, time.perf_counter() - start)
+
+
+def record_stage(workdir: str, name: str, seconds: float):
+  """Logs a finished stage's wall time and the process's peak device memory so far, and appends
+  both to <workdir>/stages.jsonl."""
+  stats = jax.devices()[0].memory_stats() or {}
+  peak = stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
+  logging.info("stage %s done in %.1f s%s", name, seconds,
+               f", peak device memory {peak:.1f} GiB" if peak is not None else "")
+  with open(os.path.join(workdir, "stages.jsonl"), "a") as f:
+    f.write(json.dumps({"stage": name, "seconds": seconds, "peak_gib": peak,
+                        "time": time.time()}) + "\n")

@@ -23,10 +23,12 @@ find_python() {
 if [ ! -x .venv/bin/python ]; then
   "$(find_python)" -m venv .venv
 fi
+# KDJAX_EXTRAS=gpu adds JAX's CUDA 13 plugin (for launch/gpu.sh); the tests always come along.
+extras="test${KDJAX_EXTRAS:+,$KDJAX_EXTRAS}"
 stamp=.venv/.kdjax-installed
-want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$( (cat pyproject.toml; echo "$extras") | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[test]"
+  .venv/bin/python -m pip install -q -e ".[$extras]"
   echo "$want" > "$stamp"
 fi

@@ -1,0 +1,69 @@
+"""Checks a run's inputs before its first stage: every path, and that teacher, student and
+tokenizer belong together. Each error names the file and the config field to change, so a
+mistake costs seconds rather than a teacher pass."""
+import os
+
+from kdjax import tokenizer
+from kdjax.data import sources
+
+
+def check_inputs(c, tokenizer_path: str) -> None:
+  """Raises FileNotFoundError / ValueError (or the loaders' own errors, which name the file)."""
+  stages = set(c.stages)
+  for field, path in (("workdir", c.workdir), ("cache.path", c.cache.path)):
+    if path and os.path.isfile(path):
+      raise NotADirectoryError(f"{field} = {path} is a file; set --config.{field} to a "
+                               "directory (it is created if missing).")
+  if "data" in stages and c.data.source != "stdlib":
+    sources.source_paths(c.data.source)  # names a missing file or an empty glob
+
+  tok = _run_tokenizer(c, tokenizer_path, stages)
+  if c.teacher.hf_path and not c.data.tokenizer and "data" in stages:
+    raise ValueError(
+        f"teacher.hf_path is set but data.tokenizer is empty, so stage 'data' would train a new "
+        f"tokenizer the teacher cannot read: set --config.data.tokenizer={c.teacher.hf_path}.")
+  vocab = tok.vocab_size if tok is not None else None
+  output_vocab = {}
+  for role in ("teacher", "student"):
+    group = c[role]
+    if role == "teacher" and not stages & {"pretrain", "cache"} and not group.hf_path:
+      continue
+    if group.hf_path:
+      from kdjax.models import hf  # lazily, as pipeline does
+      cfg = hf.config_from_hf(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
+                              tokenizer_vocab=vocab)
+      _same_tokenizer(role, group.hf_path, tok, c.data.tokenizer or tokenizer_path)
+      output_vocab[role] = cfg.output_vocab_size
+    elif group.vocab_size or vocab:
+      output_vocab[role] = group.vocab_size or vocab
+  if len(output_vocab) == 2 and output_vocab["teacher"] != output_vocab["student"]:
+    source = "its checkpoint" if c.student.hf_path else "student.vocab_size"
+    raise ValueError(
+        f"the student predicts over {output_vocab['student']} tokens ({source}), the teacher over "
+        f"{output_vocab['teacher']}: a student must share its teacher's vocabulary. "
+        + ("Set --config.student.vocab_size=0 to take the tokenizer's size."
+           if not c.student.hf_path else "Pick a student checkpoint with the teacher's tokenizer."))
+
+
+def _run_tokenizer(c, tokenizer_path: str, stages: set):
+  """The tokenizer the run will use, or None when stage 'data' is about to train it."""
+  if c.data.tokenizer:
+    return tokenizer.load(c.data.tokenizer)  # names a missing or unreadable file
+  if os.path.exists(tokenizer_path):
+    return tokenizer.load(tokenizer_path)
+  if "data" not in stages:
+    raise FileNotFoundError(
+        f"no tokenizer: {tokenizer_path} does not exist and stage 'data', which writes it, is not "
+        "listed. Add 'data' to --config.stages, or set --config.data.tokenizer.")
+  return None
+
+
+def _same_tokenizer(role: str, hf_path: str, tok, run_tokenizer_path: str) -> None:
+  own_path = os.path.join(hf_path, "tokenizer.json")
+  if tok is None or not os.path.exists(own_path):
+    return
+  if tokenizer.tokenizer_hash(tokenizer.load(hf_path)) != tokenizer.tokenizer_hash(tok):
+    raise ValueError(
+        f"{own_path} ({role}.hf_path) is not the run's tokenizer ({run_tokenizer_path}): teacher, "
+        f"student and cache must share one. Set --config.data.tokenizer={hf_path}, or pick a "
+        f"{role} checkpoint with the run's tokenizer.")
