@@ -392,13 +392,15 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
           report(*pending)
           pending = None
         save(step)
-  except KeyboardInterrupt:
+  except (KeyboardInterrupt, cache.CacheError) as e:
+    # Interrupted, or a damaged row was read: every finished step is saved before leaving.
     done = int(state["step"])
     if pending is not None and pending[0] <= done:
       report(*pending)
     if done > last_saved:
       save(done)
-      logging.info("%s: interrupted; saved step %d", name, done)
+      logging.info("%s: %s; saved step %d", name,
+                   "interrupted" if isinstance(e, KeyboardInterrupt) else "stopped", done)
     raise
   finally:
     signal.signal(signal.SIGTERM, previous_handler)

@@ -178,6 +178,25 @@ def test_metrics_are_exact_across_interruptions(tmp_path, monkeypatch):
   assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def test_a_damaged_row_stops_training_after_saving(tmp_path, monkeypatch):
+  """A row that fails its checks when read stops the run, and the finished steps are saved."""
+  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+  real_next = cache.Loader.__next__
+  calls = {"n": 0}
+
+  def damaged_at_4(self):
+    calls["n"] += 1
+    if calls["n"] == 4:
+      raise cache.CacheError("c.zarr row 9: topk_logprobs holds NaN")
+    return real_next(self)
+
+  monkeypatch.setattr(cache.Loader, "__next__", damaged_at_4)
+  with pytest.raises(cache.CacheError, match="row 9"):
+    fit(tmp_path, store, opt=opt_group(steps=6, ckpt_every=5, log_every=1))
+  assert train.Checkpoints(str(tmp_path / "run" / "ckpt"), tiny_model_cfg()).latest_step() == 3
+  assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+
+
 def test_restore_finished_reads_the_parameters_only(tmp_path):
   store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
   trained = params_of(fit(tmp_path, store, opt=opt_group(steps=4)))
