@@ -22,8 +22,8 @@ jitted teacher step alone (device only).
 
 FLOP convention (model FLOPs, no recomputation): per token 6 N (N = matmul parameters, lm_head
 included) plus attention 12 L H E c, where c is the mean number of keys a query sees (causal,
-within its document: sum over documents of len^2 / 2, over T). MFU divides by 989 TFLOP/s (H200
-dense bf16).
+within its document: sum over documents of len^2 / 2, over T). MFU divides by train.peak_flops()
+(989 TFLOP/s, H200 dense bf16).
 """
 import argparse
 import datetime
@@ -44,7 +44,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kdjax import cache, config, pipeline, teacher, train  # noqa: E402
 from kdjax.models import attention, llama  # noqa: E402
 
-PEAK_FLOPS = 989e12
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "e2e.jsonl")
 
 # name -> command-line arguments of one configuration
@@ -81,15 +80,6 @@ def packed_segments(rng, rows: int, seq_len: int, docs: int):
       segment_ids[r, bounds[d]:bounds[d + 1]] = d + 1
       positions[r, bounds[d]:bounds[d + 1]] = np.arange(lengths[d])
   return segment_ids, positions
-
-
-def mean_context(segment_ids) -> float:
-  """Mean number of keys a query attends to (causal, within its document)."""
-  total = 0.0
-  for row in segment_ids:
-    lengths = np.bincount(row)[1:]
-    total += float(np.sum(lengths * (lengths + 1) / 2))
-  return total / segment_ids.size
 
 
 def synthetic_cache(path, rng, *, rows, seq_len, docs, vocab, k):
@@ -145,7 +135,7 @@ def run_student(args) -> dict:
     t0 = time.perf_counter()
     batch = train.to_step_batch(next(loader), accum, hard_labels=False)
     t1 = time.perf_counter()
-    context.append(mean_context(batch["segment_ids"].reshape(-1, seq_len)))
+    context.append(attention.mean_context(batch["segment_ids"]))
     state, metrics, grads_sum = train.train_step(
         state, grads_sum, batch, graphdef=graphdef, tx=tx, loss=loss,
         state_memory=c.opt.state_memory,
@@ -158,14 +148,13 @@ def run_student(args) -> dict:
   loader.close()
   step_s = float(np.median(times[1:]))
   tokens = rows * seq_len
-  n = llama.flops_per_token(model_cfg, 0) / 6.0  # matmul parameters (attention term at T = 0)
-  per_token = 6.0 * n + 12.0 * model_cfg.n_layers * model_cfg.n_heads * model_cfg.head_dim * \
-      float(np.mean(context))
+  per_token = llama.flops_per_token(model_cfg, float(np.mean(context)))
   tflops = per_token * tokens / step_s / 1e12
   return {"kind": "student", "seq_len": seq_len, "accum_steps": accum,
           "batch_size": c.opt.batch_size, "docs_per_row": args.docs, "packed": args.docs > 1,
           "step_s": step_s, "tokens_per_s": tokens / step_s, "model_tflops": tflops,
-          "mfu": tflops * 1e12 / PEAK_FLOPS, "peak_gib": peak_gib(),
+          "mfu": tflops * 1e12 / train.peak_flops() if train.peak_flops() else None,
+          "peak_gib": peak_gib(),
           "optimizer_state": f"{c.opt.state_dtype}/{c.opt.state_memory}",
           "accum_dtype": c.opt.accum_dtype,
           "batch_wait_frac": float(np.sum(waits[1:]) / np.sum(times[1:])),

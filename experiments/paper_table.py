@@ -189,9 +189,8 @@ def run(method: str, args) -> dict:
 
 def train_flops(cfg, batches) -> float:
   """Model training FLOPs per token, e2e_bench's convention (attention within documents)."""
-  n = llama.flops_per_token(cfg, 0) / 6.0
-  context = np.mean([e2e_bench.mean_context(b["segment_ids"]) for b in batches])
-  return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * float(context)
+  context = np.mean([attention.mean_context(b["segment_ids"]) for b in batches])
+  return llama.flops_per_token(cfg, float(context))
 
 
 def main():

@@ -58,6 +58,10 @@ def opt_group(**overrides) -> ml_collections.ConfigDict:
   g.state_dtype = "float32"
   g.state_memory = "device"
   g.log_every = 10  # steps between console / metrics.jsonl lines
+  # Dense bf16 peak of the GPU in TFLOP/s, for the logged MFU (0: known GPUs from a table in
+  # kdjax/train.py; on others MFU is not logged)
+  g.peak_tflops = 0.0
+  g.keep_checkpoints = 2  # latest checkpoints kept on disk (older ones deleted)
   g.ckpt_every = 100  # steps between orbax checkpoints (one is also written on exit)
   g.update(overrides)
   return g
@@ -134,8 +138,10 @@ def _check_model(name: str, g):
 
 def _check_opt(name: str, g):
   # steps first: the other step counts are checked against it.
-  for f in ("steps", "batch_size", "accum_steps", "log_every", "ckpt_every"):
+  for f in ("steps", "batch_size", "accum_steps", "log_every", "ckpt_every", "keep_checkpoints"):
     _require(g[f] >= 1, f"{name}.{f} must be >= 1, got {g[f]}")
+  _require(g.peak_tflops >= 0, f"{name}.peak_tflops must be >= 0 (0: from the GPU's name), got "
+           f"{g.peak_tflops}")
   _require(g.lr > 0, f"{name}.lr must be > 0, got {g.lr}")
   _require(0 <= g.min_lr_ratio <= 1, f"{name}.min_lr_ratio must be in [0, 1], got {g.min_lr_ratio}")
   _require(0 <= g.warmup_steps < g.steps,

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from kdjax import kernels
 from kdjax.models import attention
-from kdjax.train import next_token_labels
+from kdjax.data.packing import next_token_labels
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "max_documents"))

@@ -23,9 +23,19 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from kdjax import cache, kernels, tensorboard
+from kdjax.data.packing import next_token_labels
 from kdjax.models import attention, llama
 
-H200_BF16_FLOPS = 989e12  # dense bf16 peak, for MFU
+# Dense bf16 peak FLOP/s by device kind, for the MFU in the log (opt.peak_tflops overrides).
+PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100": 989e12,
+              "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12}
+
+
+def peak_flops(override_tflops: float = 0.0) -> float | None:
+  """The device's dense bf16 peak FLOP/s: the override if set, else PEAK_FLOPS, else None."""
+  if override_tflops:
+    return override_tflops * 1e12
+  return PEAK_FLOPS.get(jax.devices()[0].device_kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,13 +86,6 @@ def _stored_as(tx: optax.GradientTransformation, dtype: str) -> optax.GradientTr
     return updates, cast(state, dtype)
 
   return optax.GradientTransformation(init, update)
-
-
-def next_token_labels(tokens_BxT: np.ndarray) -> np.ndarray:
-  """labels[t] = tokens[t + 1]; the last position gets 0 and is masked by loss_mask."""
-  labels_BxT = np.zeros_like(tokens_BxT)
-  labels_BxT[..., :-1] = tokens_BxT[..., 1:]
-  return labels_BxT
 
 
 def to_step_batch(rows: dict, accum_steps: int, hard_labels: bool) -> dict:
@@ -189,10 +192,11 @@ def train_step(state, grads_sum, batch_AxB: dict, *, graphdef, tx, loss: LossSet
 class Checkpoints:
   """Orbax checkpoints of the train state, the loader position and the model shape."""
 
-  def __init__(self, directory: str, model_cfg: llama.ModelConfig):
+  def __init__(self, directory: str, model_cfg: llama.ModelConfig, keep: int = 2):
     self.model_meta = json.loads(json.dumps(dataclasses.asdict(model_cfg), default=dict))
-    self.manager = ocp.CheckpointManager(
-        os.path.abspath(directory), options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    self.manager = ocp.CheckpointManager(os.path.abspath(directory),
+                                         options=ocp.CheckpointManagerOptions(max_to_keep=keep,
+                                                                              create=True))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -308,7 +312,7 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
   graphdef, params = nnx.split(model)
   state, grads_sum = init_state(params, tx, opt)
   loader = cache.Loader(store, opt.batch_size * opt.accum_steps, seed=seed, shuffle=True)
-  ckpt = Checkpoints(os.path.join(workdir, "ckpt"), model_cfg)
+  ckpt = Checkpoints(os.path.join(workdir, "ckpt"), model_cfg, keep=opt.keep_checkpoints)
   start = ckpt.latest_step() or 0
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   _keep_metrics_until(metrics_path, start)
@@ -321,14 +325,14 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
     return nnx.merge(graphdef, state["params"])
 
   tokens_per_step = opt.batch_size * opt.accum_steps * store.seq_len
-  flops_per_step = llama.flops_per_token(model_cfg, store.seq_len) * tokens_per_step
-  on_gpu = jax.devices()[0].platform == "gpu"
+  peak = peak_flops(opt.peak_tflops)
   step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx, loss=loss,
                               state_memory=opt.state_memory)
   max_documents = 1  # only grows (documents_bound), so the step compiles at most log2(T) times
   events = tensorboard.EventWriter(os.path.join(workdir, "tensorboard"))
   last_saved = start
-  clock = {"time": time.perf_counter(), "step": start, "wait": 0.0, "first": None}
+  # Since the last report: host time waiting for batches, model FLOPs of the steps run.
+  clock = {"time": time.perf_counter(), "step": start, "wait": 0.0, "flops": 0.0, "first": None}
 
   def report(step, metrics):
     """Checks and logs one step's metrics (blocks until that step is done)."""
@@ -341,7 +345,7 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
           f"PATH', then run the same command again: it resumes from step {last_saved}.")
     elapsed, done = now - clock["time"], step - clock["step"]
     tok_s = tokens_per_step * done / elapsed
-    mfu = flops_per_step * done / elapsed / H200_BF16_FLOPS if on_gpu else None
+    mfu = clock["flops"] / elapsed / peak if peak else None
     if clock["first"] is None:  # the ETA leaves out the first (compiling) step
       clock["first"] = (now, step)
     first_t, first_step = clock["first"]
@@ -354,7 +358,7 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
     with open(metrics_path, "a") as f:
       f.write(json.dumps(line) + "\n")
     events.scalars(step, {k: v for k, v in line.items() if k not in ("step", "time")})
-    clock.update(time=now, step=step, wait=0.0)
+    clock.update(time=now, step=step, wait=0.0, flops=0.0)
 
   def save(step):
     nonlocal last_saved
@@ -378,6 +382,8 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
       batch = to_step_batch(next(loader), opt.accum_steps, hard_labels)
       clock["wait"] += time.perf_counter() - t0
       max_documents = max(max_documents, attention.documents_bound(batch["segment_ids"]))
+      clock["flops"] += tokens_per_step * llama.flops_per_token(
+          model_cfg, attention.mean_context(batch["segment_ids"]))
       state, metrics, grads_sum = step_fn(state, grads_sum, batch, max_documents=max_documents)
       loader_state = loader.state()
       # Step t-1's metrics are read only after step t is dispatched: the host never stalls the

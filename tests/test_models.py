@@ -330,3 +330,10 @@ def test_flops_per_token():
   n_matmul -= cfg.n_layers * 2 * cfg.d_model + cfg.d_model  # norms
   attn = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * 64
   assert llama.flops_per_token(cfg, 64) == 6 * n_matmul + attn
+
+
+def test_mean_context():
+  # one row: documents of 3 and 2 tokens, then one padding position
+  seg = np.array([[1, 1, 1, 2, 2, 0]])
+  assert attention.mean_context(seg) == (6 + 3) / 6
+  assert attention.mean_context(np.ones((2, 4), np.int32)) == 10 / 4

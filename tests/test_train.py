@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from kdjax import cache, config, train
+from kdjax.data.packing import next_token_labels
 from kdjax.plots import read_metrics
 from kdjax.models import llama
 
@@ -236,7 +237,7 @@ def test_fused_loss_impl_in_the_train_step():
   batch = {"tokens": tokens, "positions": np.broadcast_to(np.arange(seq, dtype=np.int32),
                                                             (2, seq)).copy(),
            "segment_ids": np.ones((2, seq), np.int32), "loss_mask": rng.random((2, seq)) < 0.9,
-           "labels": train.next_token_labels(tokens), "topk_ids": ids,
+           "labels": next_token_labels(tokens), "topk_ids": ids,
            "topk_logprobs": np.take_along_axis(logp, ids, -1).astype(np.float32)}
   out = {}
   for impl in ("xla", "pallas"):
@@ -266,7 +267,7 @@ def test_step_metrics_are_masked_means_of_the_dense_terms():
   batch = {"tokens": tokens, "positions": np.broadcast_to(np.arange(T, dtype=np.int32),
                                                             (3, T)).copy(),
            "segment_ids": np.ones((3, T), np.int32), "loss_mask": mask,
-           "labels": train.next_token_labels(tokens), "topk_ids": ids,
+           "labels": next_token_labels(tokens), "topk_ids": ids,
            "topk_logprobs": np.sort(rng.normal(size=(3, T, K)), -1)[..., ::-1] - 3.0}
   settings = train.LossSettings("sparse", 2.0, 0.0, "xla", 10, "float32")
   loss_fn = jax.jit(train.loss_fn, static_argnums=(1, 3, 4))

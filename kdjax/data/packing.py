@@ -139,3 +139,10 @@ class _Row:
     self.pieces, self.used = [], 0
     return {"tokens": tokens_T, "segment_ids": segment_ids_T, "positions": positions_T,
             "loss_mask": loss_mask_T}
+
+
+def next_token_labels(tokens_BxT: np.ndarray) -> np.ndarray:
+  """labels[t] = tokens[t + 1]; the last position gets 0 and is masked by loss_mask."""
+  labels_BxT = np.zeros_like(tokens_BxT)
+  labels_BxT[..., :-1] = tokens_BxT[..., 1:]
+  return labels_BxT

@@ -34,6 +34,16 @@ def documents_bound(segment_ids_BxT: np.ndarray) -> int:
   return 1 << max(most - 1, 0).bit_length()
 
 
+def mean_context(segment_ids_BxT: np.ndarray) -> float:
+  """Mean number of keys a query attends to (causal, within its document) over the batch's
+  positions, padding included: the attention term of llama.flops_per_token."""
+  total = 0.0
+  for row in np.asarray(segment_ids_BxT).reshape(-1, np.shape(segment_ids_BxT)[-1]):
+    lengths = np.bincount(row)[1:]
+    total += float(np.sum(lengths * (lengths + 1) / 2))
+  return total / max(np.size(segment_ids_BxT), 1)
+
+
 def document_spans(segment_ids_BxT: jax.Array, max_documents: int):
   """(starts_BxM1, lengths_BxM) int32 of documents 1..M of each row; -1 where a row has fewer.
 

@@ -260,14 +260,15 @@ def count_params(model: nnx.Module) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-  """Training FLOPs per token (forward + backward): 6 N + 12 L H E T, as in PaLM's MFU.
+def flops_per_token(cfg: ModelConfig, context: float) -> float:
+  """Model training FLOPs per token (forward + backward): 6 N + 12 L H E c.
 
-  N counts matmul parameters (the lm_head included, the embedding lookup not). The attention
-  term counts the full T x T score matrix (PaLM's convention; the einsum path computes it all,
-  the causal cuDNN kernel about half); remat recomputation is not counted (model FLOPs).
+  N counts matmul parameters (the lm_head included, the embedding lookup not); c is the mean
+  number of keys a query attends to (attention.mean_context: causal, within its document), so
+  the attention term counts the score blocks a causal, document-masked kernel computes. Remat
+  recomputation is not counted (model FLOPs). PaLM's MFU convention is c = T (the full matrix).
   """
   d, h, g, e, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
   per_layer = d * h * e * 2 + d * g * e * 2 + 3 * d * f
   n = cfg.n_layers * per_layer + d * cfg.output_vocab_size
-  return 6.0 * n + 12.0 * cfg.n_layers * h * e * seq_len
+  return 6.0 * n + 12.0 * cfg.n_layers * h * e * context
