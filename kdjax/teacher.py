@@ -6,7 +6,7 @@ The teacher's [B, T, V] logits never exist at once: positions are processed in c
 projected through the lm_head in float32, normalised over the full vocabulary and reduced to its
 top K before the next chunk. Work is done region by region (the cache's unit of crash safety), so a
 killed run, started again, continues with the first unfinished region; ranks of a multi-process run
-take disjoint regions.
+take disjoint regions, and a second writer of a rank already running is refused (its lock file).
 """
 import concurrent.futures
 import functools
@@ -18,6 +18,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from kdjax import cache
+from kdjax.cache import failpoints
 from kdjax.models import attention
 
 _TOKEN_ARRAYS = ("tokens", "segment_ids", "positions", "loss_mask")
@@ -75,15 +76,23 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
     k: top-k entries kept per position.
     batch_size: rows per teacher call; chunk_size: positions per lm_head projection.
     vocab_size: tokenizer vocabulary; the model's lm_head must have at least this many columns.
+      k must lie in 1..vocab_size (checked before anything is created).
     attrs: cache identity (teacher hash, ...); the data store's attrs are added under "data".
     layout: "float32" or "compact" (see kdjax/cache/layout.py).
     rank, world: this process writes the regions r with r % world == rank.
     region_rows: rows per region; default the data store's.
+  Raises:
+    CacheError: bad k or vocabulary, another writer of this rank running, a store of another
+      spec at cache_path, a full disk; the message says what to do.
   """
   model_vocab = jax.eval_shape(model.lm_head_DxV).shape[-1]
   if model_vocab < vocab_size:
     raise cache.CacheError(f"teacher lm_head has {model_vocab} columns, fewer than the "
                            f"vocabulary ({vocab_size}): wrong teacher or tokenizer.")
+  if not 0 < k <= vocab_size:
+    raise cache.CacheError(f"cache.k = {k} must lie in 1..{vocab_size}, the vocabulary size: the "
+                           f"teacher has only {vocab_size} tokens to rank. Set --config.cache.k "
+                           f"to at most {vocab_size}; nothing was written to {cache_path}.")
   attrs = {**attrs, "data": {key: value for key, value in data_store.attrs.items()
                              if key != "created"}}
   for key in ("tokenizer_hash", "source"):
@@ -92,7 +101,17 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
   store = cache.create(cache_path, num_seqs=data_store.num_seqs, seq_len=data_store.seq_len, k=k,
                        vocab_size=vocab_size, attrs=attrs, layout=layout,
                        region_rows=region_rows or data_store.region_rows)
-  todo = store.missing(rank, world)
+  with store.writer_lock(rank):
+    failpoints.hit("locked")
+    _write_regions(store, data_store, store.missing(rank, world), model, k=k,
+                   batch_size=batch_size, chunk_size=chunk_size, vocab_size=vocab_size,
+                   desc=f"teacher {rank}/{world}")
+  return store
+
+
+def _write_regions(store, data_store, todo, model, *, k, batch_size, chunk_size, vocab_size,
+                   desc):
+  """Computes and writes the rows of `todo` [(start, stop)], region by region."""
   graphdef, state = nnx.split(model)
   step = functools.partial(_teacher_step, graphdef, state, k=k, chunk_size=chunk_size,
                            vocab_size=vocab_size)
@@ -100,7 +119,7 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
   # One writer thread: region r is encoded and written while the device computes region r + 1.
   # A region is recorded complete only after its write, so a crash anywhere loses at most the
   # regions in flight.
-  with (tqdm(total=total, unit="tok", unit_scale=True, desc=f"teacher {rank}/{world}") as bar,
+  with (tqdm(total=total, unit="tok", unit_scale=True, desc=desc) as bar,
         concurrent.futures.ThreadPoolExecutor(1) as writer):
     pending = None
     for start, stop in todo:
@@ -115,6 +134,7 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
         ids.append(np.asarray(batch_ids))
         logprobs.append(np.asarray(batch_logprobs))
         bar.update((min(lo + batch_size, stop - start) - lo) * store.seq_len)
+        failpoints.hit("batch")
       out = {name: rows[name] for name in _TOKEN_ARRAYS}
       out["topk_ids"] = np.concatenate(ids)[:stop - start]
       out["topk_logprobs"] = np.concatenate(logprobs)[:stop - start]
@@ -123,7 +143,6 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
       pending = writer.submit(store.write, start, out)
     if pending is not None:
       pending.result()
-  return store
 
 
 def _pad_rows(x, rows):

@@ -1,10 +1,13 @@
 """Inspect a store: `python -m kdjax.cache info|verify [--fix] [--quick] PATH`.
 
 info    shape, attributes, completeness, bytes on disk and per position.
-verify  checks every finished region: manifest records, file checksums, and (unless --quick) that
-        every row decodes and passes the value checks. Exit status 1 when something is wrong.
-        --fix deletes the records and shards of damaged regions, so re-running the stage that wrote
-        the store rewrites exactly those.
+verify  checks the store's attributes (their checksum), then every finished region: manifest
+        records, file checksums, and (unless --quick) that every row decodes and passes the value
+        checks. Exit status 0 when the store is complete and intact, 1 when regions are damaged,
+        undecodable or not written yet, 2 when the store cannot be opened (no store, edited or
+        unparsable attributes: nothing is checked or changed then).
+        --fix deletes the records and shards of damaged regions only (their own files fail their
+        own checksums), so re-running the stage that wrote the store rewrites exactly those.
 """
 import argparse
 import json
@@ -56,21 +59,30 @@ def info(store):
 def verify(store, *, quick, fix):
   done = store.complete_regions()
   problems = integrity.verify(store, decode=not quick)
-  missing = store.num_regions - len(done)
+  missing = store.missing_regions()
   for problem in problems:
-    print(f"DAMAGED {problem}")
-  bad = sorted({p.region for p in problems})
-  print(f"{store.path}: {len(done) - len(bad)} of {len(done)} finished regions verified"
-        f"{' (records and checksums only)' if quick else ''}; {len(bad)} damaged; {missing} of "
-        f"{store.num_regions} not written yet")
+    print(f"{'DAMAGED' if problem.damaged else 'INCONSISTENT'} {problem}")
+  bad = sorted({p.region for p in problems if p.damaged})
+  odd = sorted({p.region for p in problems if not p.damaged})
+  print(f"{store.path}: {len(done) - len(bad) - len(odd)} of {len(done)} finished regions verified"
+        f"{' (records and checksums only)' if quick else ''}; {len(bad)} damaged; "
+        f"{len(odd)} inconsistent; {len(missing)} of {store.num_regions} not written yet")
   if bad and fix:
     integrity.invalidate(store, bad)
-    print(f"marked {len(bad)} regions for rewriting: re-run the stage that wrote {store.path}; it "
-          f"rewrites exactly the regions its store.missing() lists")
+    print(f"marked {len(bad)} damaged regions for rewriting: re-run the stage that wrote "
+          f"{store.path}; it rewrites exactly the regions its store.missing() lists")
   elif bad:
     print(f"to repair: python -m kdjax.cache verify --fix {store.path}, then re-run the stage that "
           f"wrote it")
-  return not bad
+  if odd:
+    print(f"{len(odd)} inconsistent regions hold files exactly as written that the metadata does "
+          f"not describe (they fail to decode or the value checks): the arrays' metadata "
+          f"({store.path}/*/zarr.json) or the writer is wrong, not the data. --fix leaves them: "
+          f"restore the metadata, or delete {store.path} and rebuild it.")
+  if missing:
+    print(f"INCOMPLETE: {integrity.describe_regions(store, missing)} not written yet. Re-run the "
+          f"stage that writes {store.path} (the same command resumes where it stopped).")
+  return not (problems or missing)
 
 
 def main(argv=None):
@@ -84,6 +96,8 @@ def main(argv=None):
     store = cache.open(args.path, allow_partial=True)
   except cache.CacheError as e:
     print(f"error: {e}", file=sys.stderr)
+    if args.fix:
+      print("verify --fix changed nothing.", file=sys.stderr)
     return 2
   if args.command == "info":
     info(store)

@@ -1,17 +1,26 @@
 """A sequence store on disk: a zarr v3 group of row-sharded arrays plus a manifest of finished regions.
 
 Crash safety. Rows are grouped into regions of `region_rows` rows, one shard file per array per
-region. A write (1) writes the region's shards, (2) only then records the region in the manifest: a
-file `manifest/rNNNNNNNN.json` written to a temporary name, fsynced and renamed, holding the size and
-crc32 of every shard file. A killed writer leaves at worst shards without a record; such a region
-counts as missing and is rewritten whole on resume, so a reader never accepts half a region.
-Writers of disjoint regions share nothing but the directory (parallel ranks need no coordination).
+region. A write (1) writes the region's shards through tensorstore, (2) fsyncs every shard file and
+the folders holding them, (3) only then records the region in the manifest: a file
+`manifest/rNNNNNNNN.json` written to a temporary name, fsynced, renamed, and the manifest folder
+fsynced, holding the size and crc32 of every shard file. Guaranteed, on a filesystem that honours
+fsync (local ext4/xfs; check your network filesystem's documentation):
+  - a region recorded before a crash or a power loss is whole: its shards were durable before its
+    record was written (and verify checks them against the record's crc32 anyway);
+  - a region recorded when write() returns stays recorded;
+  - a writer killed at any point leaves at worst shards without a record: the region counts as
+    missing and is rewritten whole on resume, so a reader never accepts half a region.
+Writers of disjoint regions share nothing but the directory; a second writer of the same rank is
+refused by a lock (lock.py). Disk full is a CacheError that says to free space and re-run.
 
-Writes that cover only part of a region record the rows they covered (`manifest/pSTART-STOP.json`);
-the region record is written once those cover the region.
+Writes that cover only part of a region record the rows they covered (`manifest/pSTART-STOP.json`,
+written after their shards are durable too); the region record is written once those cover the
+region. Attributes and their checksum: attributes.py.
 """
-import builtins
+import contextlib
 import datetime
+import errno
 import glob
 import json
 import os
@@ -20,12 +29,14 @@ import zlib
 import numpy as np
 import tensorstore as ts
 
+from kdjax.cache import attributes
+from kdjax.cache import durable
+from kdjax.cache import failpoints
 from kdjax.cache import integrity
 from kdjax.cache import layout as layout_lib
+from kdjax.cache import lock
+from kdjax.cache import values
 from kdjax.cache.errors import CacheError
-
-
-_UNCHECKED_KEYS = ("created",)  # differs between runs of the same spec
 
 
 def _default_region_rows(num_seqs, seq_len):
@@ -34,26 +45,17 @@ def _default_region_rows(num_seqs, seq_len):
   return int(max(1, min(num_seqs, 2**18 // seq_len)))
 
 
-def _write_json_atomic(path, obj, *, exclusive=False):
-  """Writes JSON so that readers see the whole file or nothing. exclusive: fail if it exists."""
-  tmp = f"{path}.tmp{os.getpid()}"
-  with builtins.open(tmp, "w") as f:
-    json.dump(obj, f, indent=1, sort_keys=True)
-    f.flush()
-    os.fsync(f.fileno())
+@contextlib.contextmanager
+def _disk_full_is_a_cache_error(path):
   try:
-    if exclusive:
-      os.link(tmp, path)  # atomic create-if-absent, even across hosts on a shared filesystem
-    else:
-      os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-
-
-def _read_json(path):
-  with builtins.open(path) as f:
-    return json.load(f)
+    yield
+  except (OSError, ValueError) as e:  # tensorstore raises ValueError("RESOURCE_EXHAUSTED: ...")
+    if getattr(e, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) and (
+        "RESOURCE_EXHAUSTED" not in str(e)):
+      raise
+    raise CacheError(f"{path}: no space left on the device (or over quota): {e}. Free space (or "
+                     f"point the store at a bigger disk) and re-run the same command: it resumes "
+                     f"with the regions not yet recorded; no recorded region was lost.") from e
 
 
 class Store:
@@ -69,11 +71,22 @@ class Store:
     self.layout = attrs["layout"]
     self.region_rows = attrs["region_rows"]
     self.dtypes = attrs["dtypes"]
-    self._scale = attrs.get("logprob_scale", layout_lib.LOGPROB_SCALE)
+    self._scale = attrs.get("logprob_scale")  # compact top-k only; checked by attributes.check
     self.num_regions = -(-self.num_seqs // self.region_rows)
     futures = {name: ts.open(self._ts_spec(name, create), create=create, open=True)
                for name in self.dtypes}
-    self._arrays = {name: future.result() for name, future in futures.items()}
+    self._arrays = {}
+    for name, future in futures.items():
+      try:
+        self._arrays[name] = future.result()
+      except ValueError as e:
+        raise CacheError(f"{self.path}/{name}/zarr.json cannot be opened ({e}): the array's "
+                         f"metadata was damaged or edited; restore it, or delete {self.path} and "
+                         f"rebuild it.") from e
+    if create:  # the arrays' metadata must be durable before any region is recorded
+      durable.fsync_all(path for name in self.dtypes
+                        for path in durable.tree(os.path.join(self.path, name, "zarr.json"),
+                                                 self.path))
     for name, arr in self._arrays.items():
       if tuple(arr.shape) != self.shape(name) or arr.dtype.name != self.dtypes[name]:
         raise CacheError(f"{self.path}/{name} is {arr.dtype.name} {tuple(arr.shape)} but the store's "
@@ -111,6 +124,9 @@ class Store:
   def complete_regions(self):
     return {int(n[1:-5]) for n in self._manifest_names() if n.startswith("r")}
 
+  def missing_regions(self):
+    return sorted(set(range(self.num_regions)) - self.complete_regions())
+
   def _partial_rows(self):
     ranges = []
     for n in self._manifest_names():
@@ -132,6 +148,10 @@ class Store:
     return [run for region in range(rank, self.num_regions, world) if region not in done
             for run in self._uncovered(region, partial) or [self.region_bounds(region)]]
 
+  def writer_lock(self, rank):
+    """Context manager held while this process writes the regions of `rank` (see lock.py)."""
+    return lock.hold(os.path.join(self.path, f"writer-rank{rank}.lock"), f"writer of rank {rank}")
+
   def _uncovered(self, region, partial):
     """Runs of the region's rows that no partial record covers."""
     start, stop = self.region_bounds(region)
@@ -142,7 +162,7 @@ class Store:
     return [(start + int(a), start + int(b)) for a, b in zip(edges[::2], edges[1::2])]
 
   def _record_rows(self, start, stop):
-    _write_json_atomic(os.path.join(self._manifest_dir(), f"p{start:012d}-{stop:012d}.json"),
+    durable.write_json(os.path.join(self._manifest_dir(), f"p{start:012d}-{stop:012d}.json"),
                        {"start": start, "stop": stop})
 
   def _check_batch(self, start, batch):
@@ -157,15 +177,20 @@ class Store:
       if arr.shape != (n,) + self.shape(name)[1:]:
         raise CacheError(f"{self.path}: {name} has shape {arr.shape}, expected "
                          f"{(n,) + self.shape(name)[1:]}")
-    _check_ids(batch["tokens"], self.vocab_size, f"{self.path}: tokens of rows {start}..{start + n}")
+    rows = np.arange(start, start + n)
+    where = f"{self.path}: rows {start}..{start + n}"
+    values.check_ids(batch["tokens"], rows, self.vocab_size, f"{where}, tokens")
     if self.k > 0:
-      _check_ids(batch["topk_ids"], self.vocab_size,
-                 f"{self.path}: topk_ids of rows {start}..{start + n}")
-      _check_logprobs(batch["topk_logprobs"], f"{self.path}: rows {start}..{start + n}",
-                      "Fix the teacher run that produced them; nothing was written.")
+      values.check_ids(batch["topk_ids"], rows, self.vocab_size, f"{where}, topk_ids")
+      values.check_logprobs(batch["topk_logprobs"], rows, where,
+                            "Fix the teacher run that produced them; nothing was written.")
 
   def write(self, start, batch):
-    """Writes rows start..start+len(batch) and records every region they complete."""
+    """Writes rows start..start+len(batch) and records every region they complete.
+
+    The regions' shards are durable before any record is written (module docstring). Raises
+    CacheError on bad values (nothing written) and on a full disk (nothing recorded).
+    """
     batch = {name: np.asarray(arr) for name, arr in batch.items()}
     self._check_batch(start, batch)
     stop = start + len(batch["tokens"])
@@ -174,26 +199,38 @@ class Store:
       stored["topk_ids"], stored["topk_logprobs"] = layout_lib.encode_topk(
           batch["topk_ids"], batch["topk_logprobs"], self.dtypes, self._scale)
     regions = range(start // self.region_rows, -(-stop // self.region_rows))
+    failpoints.hit("before_data")
+    with _disk_full_is_a_cache_error(self.path):
+      self._unrecord(start, stop, regions)
+      futures = [self._arrays[name][start:stop].write(arr.astype(self.dtypes[name]))
+                 for name, arr in stored.items()]
+      for future in futures:
+        future.result()
+      failpoints.hit("data")
+      durable.fsync_all(path for region in regions for name in self.dtypes
+                        for path in durable.tree(self.shard_path(name, region),
+                                                 os.path.join(self.path, name)))
+      failpoints.hit("after_data")
+      for region in regions:
+        if self._uncovered(region, self._partial_rows() + [(start, stop)]):
+          lo, hi = self.region_bounds(region)
+          self._record_rows(max(lo, start), min(hi, stop))
+        else:
+          self._record_region(region)
+          failpoints.hit("after_record")
+
+  def _unrecord(self, start, stop, regions):
+    """Finished regions being overwritten read as unfinished until this write is durable."""
     done = self.complete_regions()
     for region in regions:
       if region in done:
-        # Overwriting a finished region: it must read as unfinished until this write is durable;
-        # its rows outside the write stay valid.
+        # Its rows outside the write stay valid.
         lo, hi = self.region_bounds(region)
         for a, b in ((lo, min(start, hi)), (max(stop, lo), hi)):
           if a < b:
             self._record_rows(a, b)
         os.unlink(self.region_record_path(region))
-    futures = [self._arrays[name][start:stop].write(arr.astype(self.dtypes[name]))
-               for name, arr in stored.items()]
-    for future in futures:
-      future.result()
-    for region in regions:
-      if self._uncovered(region, self._partial_rows() + [(start, stop)]):
-        lo, hi = self.region_bounds(region)
-        self._record_rows(max(lo, start), min(hi, stop))
-      else:
-        self._record_region(region)
+        durable.fsync_path(self._manifest_dir())
 
   def _record_region(self, region):
     start, stop = self.region_bounds(region)
@@ -203,7 +240,7 @@ class Store:
       files[name] = {"bytes": os.path.getsize(shard), "crc32": integrity.file_crc32(shard)}
     record = {"region": region, "start": start, "stop": stop, "files": files}
     record["record_crc32"] = zlib.crc32(json.dumps(record, sort_keys=True).encode())
-    _write_json_atomic(self.region_record_path(region), record)
+    durable.write_json(self.region_record_path(region), record)
     # Temporary records left by a writer killed before its rename: this writer owns the region.
     for stale in glob.glob(glob.escape(self.region_record_path(region)) + ".tmp*"):
       os.unlink(stale)
@@ -220,7 +257,7 @@ class Store:
       rows = np.asarray(rows, np.int64)
       if rows.size and (rows.min() < 0 or rows.max() >= self.num_seqs):
         raise CacheError(f"{self.path}: rows must lie in 0..{self.num_seqs}")
-    where = f"{self.path}: rows {_describe_rows(rows)}"
+    where = f"{self.path}: rows {values.describe_rows(rows)}"
     fix = (f"The store is corrupt: run `python -m kdjax.cache verify --fix {self.path}`, then "
            f"re-run the stage that wrote it to rewrite the bad regions.")
     futures = {name: arr[rows].read() for name, arr in self._arrays.items()}
@@ -232,56 +269,53 @@ class Store:
     if self.k > 0:
       out["topk_ids"], out["topk_logprobs"] = layout_lib.decode_topk(
           out["topk_ids"], out["topk_logprobs"], self.dtypes, self._scale)
-      _check_ids(out["topk_ids"], self.vocab_size, where, fix)
-      _check_logprobs(out["topk_logprobs"], where, fix)
+      if isinstance(rows, slice):
+        rows = np.arange(*rows.indices(self.num_seqs))
+      values.check_ids(out["topk_ids"], rows, self.vocab_size, where, fix)
+      values.check_logprobs(out["topk_logprobs"], rows, where, fix)
     return out
 
 
-def _describe_rows(rows):
-  if isinstance(rows, slice):
-    return f"{rows.start}..{rows.stop}"
-  rows = np.asarray(rows)
-  return f"{rows[:8].tolist()}{'...' if rows.size > 8 else ''}"
+def _check_folder(path):
+  """CacheError if `path` or a folder above it is a file (os.makedirs would fail obscurely)."""
+  folder = os.path.abspath(path)
+  while not os.path.exists(folder):
+    folder = os.path.dirname(folder)
+  if not os.path.isdir(folder):
+    raise CacheError(f"{folder} is a file, so the store {path} cannot be "
+                     f"{'that file' if folder == os.path.abspath(path) else 'under it'}: point "
+                     f"the store's path (cache.path / the workdir) at a directory (it is created "
+                     f"if missing).")
 
 
-def _check_ids(ids, vocab_size, where, fix="Check the tokenizer and vocab_size; nothing was written."):
-  if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-    raise CacheError(f"{where}: ids must lie in [0, {vocab_size}), found {ids.min()}..{ids.max()}. "
-                     f"{fix}")
+def _root_fix(path):
+  return (f"The store's attributes are lost: restore the file (manifest/zarr.json keeps a copy of "
+          f"them under \"{attributes.COPY}\"), or delete {path} and re-run the stage that writes "
+          f"it.")
 
 
-def _check_logprobs(logprobs, where, fix):
-  bad = ~np.isfinite(logprobs)
-  if bad.any():
-    row = np.argwhere(bad)[0]
-    raise CacheError(f"{where}: {bad.sum()} NaN/Inf teacher log-probs (first at index "
-                     f"{row.tolist()}). {fix}")
-  if logprobs.size and logprobs.max() > 0:
-    raise CacheError(f"{where}: log-probs must be <= 0, found {logprobs.max()}. {fix}")
-
-
-def _spec(num_seqs, seq_len, k, vocab_size, attrs, layout_name, region_rows):
-  spec = {"format_version": layout_lib.FORMAT_VERSION, "num_seqs": int(num_seqs),
-          "seq_len": int(seq_len), "k": int(k), "vocab_size": int(vocab_size),
-          "layout": layout_name, "region_rows": int(region_rows),
-          "dtypes": layout_lib.array_dtypes(k, vocab_size, layout_name)}
-  if k > 0 and layout_name == "compact":
-    spec["logprob_scale"] = layout_lib.LOGPROB_SCALE
-  clash = {key: (attrs[key], spec[key]) for key in set(spec) & set(attrs) if attrs[key] != spec[key]}
-  if clash:
-    raise CacheError(f"attrs contradict the arguments (key: attrs vs arguments): {clash}")
-  return {**attrs, **spec}
-
-
-def _differences(a, b):
-  keys = sorted((set(a) | set(b)) - set(_UNCHECKED_KEYS))
-  return {key: (a.get(key), b.get(key)) for key in keys if a.get(key) != b.get(key)}
+def _read_attrs(path):
+  """The group's attributes, checked (attributes.check); CacheError if the file does not parse."""
+  attrs = durable.read_json(os.path.join(path, "zarr.json"), _root_fix(path)).get("attributes")
+  if not isinstance(attrs, dict):
+    raise CacheError(f"{path}/zarr.json has no attributes. {_root_fix(path)}")
+  if attrs.get("format_version") != layout_lib.FORMAT_VERSION:
+    raise CacheError(f"{path} has format version {attrs.get('format_version')}, this code reads "
+                     f"{layout_lib.FORMAT_VERSION}: rebuild the store.")
+  manifest = os.path.join(path, "manifest", "zarr.json")
+  manifest_attrs = {}
+  if os.path.exists(manifest):
+    manifest_attrs = durable.read_json(
+        manifest, f"Delete it and re-run `python -m kdjax.cache verify {path}`."
+    ).get("attributes", {})
+  attributes.check(path, attrs, manifest_attrs)
+  return attrs
 
 
 def _write_group(path, attrs):
   os.makedirs(path, exist_ok=True)
   try:
-    _write_json_atomic(os.path.join(path, "zarr.json"),
+    durable.write_json(os.path.join(path, "zarr.json"),
                        {"zarr_format": 3, "node_type": "group", "attributes": attrs}, exclusive=True)
   except FileExistsError:
     pass
@@ -293,31 +327,36 @@ def create(path, *, num_seqs, seq_len, k, vocab_size, attrs, layout="float32", r
   Args:
     path: directory of the store.
     num_seqs, seq_len: rows and positions per row.
-    k: top-k entries per position; 0 for tokenised data without teacher outputs.
+    k: top-k entries per position (at most vocab_size); 0 for tokenised data without teacher
+      outputs.
     vocab_size: ids must lie in [0, vocab_size).
     attrs: JSON-serialisable identity of the contents (teacher hash, tokenizer hash, data
       source); resuming with different attrs is refused.
     layout: "float32" (reference) or "compact" (see layout.py).
     region_rows: rows per region (the unit of writing and crash safety); default ~256K positions.
   Raises:
-    CacheError: the path holds a store with a different spec.
+    CacheError: bad arguments (checked before anything is created), the path is a file, the path
+      holds a store with a different spec or with edited attributes, or the disk is full.
   """
   path = os.fspath(path)
   region_rows = region_rows or _default_region_rows(num_seqs, seq_len)
-  spec = _spec(num_seqs, seq_len, k, vocab_size, dict(attrs), layout, region_rows)
+  spec = attributes.spec(num_seqs, seq_len, k, vocab_size, dict(attrs), layout, region_rows)
+  _check_folder(path)
   created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-  _write_group(path, {**spec, "created": created})
-  existing = _read_json(os.path.join(path, "zarr.json"))["attributes"]
-  if diff := _differences(existing, spec):
-    raise CacheError(f"{path} already holds a store with a different spec "
-                     f"(key: stored vs requested): {diff}. Resume with the original parameters, "
-                     f"or delete {path} to start over.")
-  _write_group(os.path.join(path, "manifest"), {"description": "records of completed regions"})
-  return Store(path, existing, create=True)
+  with _disk_full_is_a_cache_error(path):
+    _write_group(path, attributes.seal({**spec, "created": created}))
+    existing = _read_attrs(path)
+    if diff := attributes.differences(existing, spec):
+      raise CacheError(f"{path} already holds a store with a different spec "
+                       f"(key: stored vs requested): {diff}. Resume with the original parameters, "
+                       f"or delete {path} to start over.")
+    _write_group(os.path.join(path, "manifest"), {"description": "records of completed regions",
+                                                  attributes.COPY: attributes.copy(existing)})
+    return Store(path, existing, create=True)
 
 
 def open(path, *, vocab_size=None, k=None, seq_len=None, tokenizer_hash=None, allow_partial=False):
-  """Opens a store for reading after checking it matches what the caller expects.
+  """Opens a store for reading after checking it is intact and matches what the caller expects.
 
   Args:
     path: directory of the store.
@@ -325,16 +364,15 @@ def open(path, *, vocab_size=None, k=None, seq_len=None, tokenizer_hash=None, al
     allow_partial: accept a store whose writer has not finished, and skip the check of the
       finished regions' files (to inspect or repair it).
   Raises:
-    CacheError: no store, a mismatch, or missing regions; the message says what to do.
+    CacheError: no store, edited or unparsable attributes (attributes.py), a mismatch, or missing
+      or damaged regions; the message says what to do.
   """
   path = os.fspath(path)
-  meta = os.path.join(path, "zarr.json")
-  if not os.path.exists(meta):
+  if os.path.exists(path) and not os.path.isdir(path):
+    _check_folder(path)
+  if not os.path.exists(os.path.join(path, "zarr.json")):
     raise CacheError(f"no store at {path}: build it first (the data / teacher stage writes it).")
-  attrs = _read_json(meta)["attributes"]
-  if attrs.get("format_version") != layout_lib.FORMAT_VERSION:
-    raise CacheError(f"{path} has format version {attrs.get('format_version')}, this code reads "
-                     f"{layout_lib.FORMAT_VERSION}: rebuild the store.")
+  attrs = _read_attrs(path)
   expected = {"vocab_size": vocab_size, "k": k, "seq_len": seq_len, "tokenizer_hash": tokenizer_hash}
   for key, want in expected.items():
     if want is not None and attrs.get(key) != want:
@@ -343,11 +381,11 @@ def open(path, *, vocab_size=None, k=None, seq_len=None, tokenizer_hash=None, al
                        f"one.")
   store = Store(path, attrs)
   if not allow_partial:
-    missing = store.num_regions - len(store.complete_regions())
-    if missing:
-      raise CacheError(f"{path} is incomplete: {missing} of {store.num_regions} regions are not "
-                       f"written. Re-run the stage that writes it (the same command resumes "
-                       f"where it stopped), or open with allow_partial=True to inspect it.")
+    if missing := store.missing_regions():
+      raise CacheError(f"{path} is incomplete: {len(missing)} of {store.num_regions} regions are "
+                       f"not written ({integrity.describe_regions(store, missing)}). Re-run the "
+                       f"stage that writes it (the same command resumes where it stopped), or open "
+                       f"with allow_partial=True to inspect it.")
     # Cheap (file sizes, no reading): a deleted or truncated shard would otherwise read as zeros.
     if problems := integrity.check_records(store):
       raise CacheError(f"{path} is damaged: {len(problems)} problems, first: {problems[0]}. Run "

@@ -1,0 +1,111 @@
+"""A store's attributes (the group's zarr.json): what they hold, their checksum and their checks.
+
+The attributes say how to decode the arrays (k, vocab_size, layout, logprob_scale, dtypes) and what
+the data is (teacher_hash, tokenizer_hash, source): an edit to one of them would change every read
+without a sound. So at creation `attributes_sha256` is added, a sha256 of all the others, and
+manifest/zarr.json keeps a sealed copy of them (all but the creation time) under
+"store_attributes", to name what was changed.
+cache.create, cache.open and verify refuse attributes that fail their checksum or cannot describe
+a store, before reading or changing anything. Stores written before the checksum existed (neither
+the key nor the copy) open with a warning; their decoding parameters are still checked.
+"""
+import hashlib
+import json
+import logging
+
+from kdjax.cache import layout as layout_lib
+from kdjax.cache.errors import CacheError
+
+CHECKSUM = "attributes_sha256"
+COPY = "store_attributes"  # key of the copy in manifest/zarr.json
+_UNCHECKED_KEYS = ("created", CHECKSUM)  # differ between runs of the same spec
+_POSITIVE = ("num_seqs", "seq_len", "vocab_size", "region_rows")
+
+
+def checksum(attrs):
+  body = {key: value for key, value in attrs.items() if key != CHECKSUM}
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def seal(attrs):
+  return {**attrs, CHECKSUM: checksum(attrs)}
+
+
+def copy(attrs):
+  """What manifest/zarr.json keeps of `attrs`: all but the creation time (so that stores of the
+  same spec have identical manifests), sealed."""
+  return seal({key: value for key, value in attrs.items() if key not in _UNCHECKED_KEYS})
+
+
+def spec(num_seqs, seq_len, k, vocab_size, attrs, layout_name, region_rows):
+  """The attributes of a new store (not sealed); CacheError if the arguments cannot make one."""
+  if not 0 <= k <= vocab_size:
+    raise CacheError(f"k = {k} must lie in 0..vocab_size ({vocab_size}): a position cannot have "
+                     f"more top-k entries than the vocabulary has tokens.")
+  out = {"format_version": layout_lib.FORMAT_VERSION, "num_seqs": int(num_seqs),
+         "seq_len": int(seq_len), "k": int(k), "vocab_size": int(vocab_size),
+         "layout": layout_name, "region_rows": int(region_rows),
+         "dtypes": layout_lib.array_dtypes(k, vocab_size, layout_name)}
+  if k > 0 and layout_name == "compact":
+    out["logprob_scale"] = layout_lib.LOGPROB_SCALE
+  clash = {key: (attrs[key], out[key]) for key in set(out) & set(attrs) if attrs[key] != out[key]}
+  if clash:
+    raise CacheError(f"attrs contradict the arguments (key: attrs vs arguments): {clash}")
+  return {**attrs, **out}
+
+
+def differences(a, b):
+  """{key: (a's, b's)} of the keys that differ, but for those that differ between runs."""
+  keys = sorted((set(a) | set(b)) - set(_UNCHECKED_KEYS))
+  return {key: (a.get(key), b.get(key)) for key in keys if a.get(key) != b.get(key)}
+
+
+def check(path, attrs, manifest_attrs):
+  """Raises CacheError unless `attrs` (of the store at `path`) are sealed and can describe it.
+
+  manifest_attrs: the attributes of manifest/zarr.json ({} if there is none).
+  """
+  written = manifest_attrs.get(COPY)
+  kept = (f" (manifest/zarr.json keeps them as written, under \"{COPY}\")"
+          if written is not None else "")
+  undo = (f"Nothing was read or changed. Undo the edit{kept}, or delete {path} and re-run the stage "
+          f"that writes it.")
+  if CHECKSUM in attrs or written is not None:
+    if attrs.get(CHECKSUM) != checksum(attrs):
+      intact = isinstance(written, dict) and written.get(CHECKSUM) == checksum(written)
+      diff = differences(attrs, written) if intact else {}
+      changed = f" (key: now vs as written: {diff})" if diff else ""
+      raise CacheError(f"{path}/zarr.json: the store's attributes fail their checksum: they were "
+                       f"changed after the store was written{changed}; read by them, the data "
+                       f"could silently decode to other values or pass for another teacher's. "
+                       f"{undo}")
+  else:
+    logging.warning("%s was written before stores had an attribute checksum: an edit to its "
+                    "attributes (vocab_size, logprob_scale, hashes) cannot be detected. Rebuild it "
+                    "to add one.", path)
+  if problems := decoding_problems(attrs):
+    raise CacheError(f"{path}/zarr.json: the attributes cannot describe this store: "
+                     f"{'; '.join(problems)}. {undo}")
+
+
+def decoding_problems(attrs):
+  """What makes `attrs` unusable for decoding (types, ranges, dtypes, the compact step)."""
+  problems = [f"{key} = {attrs.get(key)!r} is not a positive integer" for key in _POSITIVE
+              if type(attrs.get(key)) is not int or attrs[key] < 1]
+  k, layout_name = attrs.get("k"), attrs.get("layout")
+  if type(k) is not int or k < 0:
+    problems.append(f"k = {k!r} is not a non-negative integer")
+  if layout_name not in layout_lib.LAYOUTS:
+    problems.append(f"layout = {layout_name!r} is not one of {layout_lib.LAYOUTS}")
+  if problems:
+    return problems
+  if k > attrs["vocab_size"]:
+    problems.append(f"k = {k} exceeds vocab_size = {attrs['vocab_size']}")
+  dtypes = layout_lib.array_dtypes(k, attrs["vocab_size"], layout_name)
+  if attrs.get("dtypes") != dtypes:
+    problems.append(f"dtypes = {attrs.get('dtypes')} but k, vocab_size and layout make {dtypes}")
+  # Compact log-probs are integer steps of this size: any other value scales every log-prob.
+  if k > 0 and layout_name == "compact" and attrs.get("logprob_scale") != layout_lib.LOGPROB_SCALE:
+    problems.append(f"logprob_scale = {attrs.get('logprob_scale')!r}, but compact stores are "
+                    f"written in steps of {layout_lib.LOGPROB_SCALE!r}")
+  return problems
