@@ -3,6 +3,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # whole runs in subprocesses: not in the fast subset
+
 
 def run(tmp_path, *args):
   out = tmp_path / "e2e.jsonl"

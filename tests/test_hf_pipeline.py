@@ -14,6 +14,8 @@ import pytest
 from kdjax.models import hf
 from test_hf import ARCHS, assert_parity, packed_inputs, run_side, side_python  # noqa: F401
 
+pytestmark = pytest.mark.slow  # whole runs in subprocesses: not in the fast subset
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # whole runs in subprocesses: not in the fast subset
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -22,6 +22,8 @@ from kdjax import cache
 from kdjax.cache import failpoints
 from test_teacher import D, V, make_data, store_files, write
 
+pytestmark = pytest.mark.slow  # whole runs in subprocesses: not in the fast subset
+
 ROWS, REGION_ROWS = 36, 2
 REGIONS = ROWS // REGION_ROWS  # each hit once per region: write() takes whole regions of 1 batch
 POINTS = ("batch", "data", "after_data", "after_record")  # every point: experiments/cache_faults.py
