@@ -22,7 +22,7 @@ import jax
 import ml_collections
 from flax import nnx
 
-from kdjax import cache, checks, config, data, evaluate, plots, teacher, tokenizer, train
+from kdjax import cache, checkpoints, checks, config, data, evaluate, plots, teacher, tokenizer, train
 from kdjax.models import llama
 
 
@@ -86,7 +86,7 @@ def model_config_of(group, vocab_size: int) -> llama.ModelConfig:
 def finished_model(c, paths: Paths, name: str, group, opt):
   """The model run `name` trained, parameters only, if it finished; else None."""
   cfg = model_config_of(group, load_tokenizer(c, paths).vocab_size)
-  return train.restore_finished(paths.run(name), cfg, opt.steps)
+  return checkpoints.restore_finished(paths.run(name), cfg, opt.steps)
 
 
 def stage_data(c, paths: Paths):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdjax import cache, config, train
+from kdjax import cache, checkpoints, config, train
 from kdjax.data.packing import next_token_labels
 from kdjax.plots import read_metrics
 from kdjax.models import llama
@@ -96,7 +96,7 @@ def test_crash_resumes_to_identical_parameters(tmp_path, monkeypatch):
   with pytest.raises(RuntimeError, match="simulated crash"):
     fit(tmp_path, store, name="crashed")
   monkeypatch.setattr(train, "train_step", real_step)
-  assert train.Checkpoints(str(tmp_path / "crashed" / "ckpt"), tiny_model_cfg()).latest_step() == 4
+  assert checkpoints.Checkpoints(str(tmp_path / "crashed" / "ckpt"), tiny_model_cfg()).latest_step() == 4
   resumed = params_of(fit(tmp_path, store, name="crashed"))
   for a, b in zip(straight, resumed):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -148,7 +148,7 @@ def test_nan_after_a_checkpoint_keeps_that_checkpoint_and_writes_none(tmp_path, 
   monkeypatch.setattr(train, "train_step", poisoned_at_3)
   with pytest.raises(FloatingPointError, match="resumes from step 2"):
     fit(tmp_path, store, opt=opt_group(steps=6, ckpt_every=2, log_every=1))
-  assert train.Checkpoints(str(tmp_path / "run" / "ckpt"), tiny_model_cfg()).latest_step() == 2
+  assert checkpoints.Checkpoints(str(tmp_path / "run" / "ckpt"), tiny_model_cfg()).latest_step() == 2
 
 
 def test_metrics_are_exact_across_interruptions(tmp_path, monkeypatch):
@@ -194,7 +194,7 @@ def test_a_damaged_row_stops_training_after_saving(tmp_path, monkeypatch):
   monkeypatch.setattr(cache.Loader, "__next__", damaged_at_4)
   with pytest.raises(cache.CacheError, match="row 9"):
     fit(tmp_path, store, opt=opt_group(steps=6, ckpt_every=5, log_every=1))
-  assert train.Checkpoints(str(tmp_path / "run" / "ckpt"), tiny_model_cfg()).latest_step() == 3
+  assert checkpoints.Checkpoints(str(tmp_path / "run" / "ckpt"), tiny_model_cfg()).latest_step() == 3
   assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
 
 
@@ -202,13 +202,13 @@ def test_restore_finished_reads_the_parameters_only(tmp_path):
   store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
   trained = params_of(fit(tmp_path, store, opt=opt_group(steps=4)))
   workdir = str(tmp_path / "run")
-  assert train.restore_finished(workdir, tiny_model_cfg(), steps=5) is None  # not finished
-  assert train.restore_finished(str(tmp_path / "none"), tiny_model_cfg(), steps=4) is None
-  restored = train.restore_finished(workdir, tiny_model_cfg(), steps=4)
+  assert checkpoints.restore_finished(workdir, tiny_model_cfg(), steps=5) is None  # not finished
+  assert checkpoints.restore_finished(str(tmp_path / "none"), tiny_model_cfg(), steps=4) is None
+  restored = checkpoints.restore_finished(workdir, tiny_model_cfg(), steps=4)
   for a, b in zip(trained, params_of(restored)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   with pytest.raises(ValueError, match="different model"):
-    train.restore_finished(workdir, tiny_model_cfg(d_model=48), steps=4)
+    checkpoints.restore_finished(workdir, tiny_model_cfg(d_model=48), steps=4)
 
 
 def test_to_step_batch_shapes_and_one_hot_teacher():
