@@ -83,7 +83,8 @@ def write_teacher(c, directory: str, tokenizer_dir: str):
 def run_stage(cmd: list[str], log_path: str) -> float:
   start = time.perf_counter()
   with open(log_path, "w") as log:
-    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                          env={**os.environ, "PYTHON": sys.executable})  # launch/gpu.sh runs it
   if proc.returncode:
     tail = open(log_path).read()[-3000:]
     raise RuntimeError(f"{' '.join(cmd[-3:])} failed (exit {proc.returncode}):\n{tail}")
