@@ -97,8 +97,9 @@ def stage_data(c, paths: Paths):
 def _fit(c, paths, name, group, opt, open_store, hard_labels):
   """Trains the model of `group` on open_store(model_cfg); a finished run is restored instead."""
   vocab = load_tokenizer(c, paths).vocab_size
-  store = open_store(model_config_of(group, vocab))  # refuses a mismatch, finished or not
-  done = finished_model(c, paths, name, group, opt)
+  shapes = model_config_of(group, vocab)
+  store = open_store(shapes)  # refuses a mismatch, finished or not
+  done = checkpoints.restore_finished(paths.run(name), shapes, opt.steps)
   if done is not None:
     logging.info("%s: finished (step %d), restored", name, opt.steps)
     return done, done.cfg
