@@ -15,6 +15,10 @@ then runs the README's commands, one stage per process (so each stage's peak mem
 data, cache, train (--steps optimizer steps), eval, export, through launch/gpu.sh on a GPU. Each
 stage's wall time and peak device memory come from the run's own <workdir>/stages.jsonl; tokens/s
 from the rows each stage processed. Results: experiments/results/pipeline.jsonl.
+
+The teacher's weight files are deleted once stage cache has run (later stages read only its
+config.json and tokenizer): the H200 machine's 64 GB disk cannot hold the 16 GB teacher beside the
+3B student's 38.5 GB checkpoint (float32 parameters and AdamW moments) and its 12.8 GB export.
 """
 import argparse
 import json
@@ -134,6 +138,10 @@ def main():
     lines = [json.loads(l) for l in open(os.path.join(workdir, "stages.jsonl"))]
     stages[stage] = {"process_s": wall, **{k: lines[-1][k] for k in ("seconds", "peak_gib")}}
     print(f"{stage}: {stages[stage]}", flush=True)
+    if stage == "cache":
+      for name in os.listdir(teacher_dir):
+        if name.endswith(".safetensors"):
+          os.remove(os.path.join(teacher_dir, name))
 
   from kdjax import cache
   train_rows = cache.open(os.path.join(workdir, "data", "train.zarr")).num_seqs
