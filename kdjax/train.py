@@ -309,7 +309,6 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
   def on_sigterm(*_):
     raise KeyboardInterrupt
   previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
-  pending = None  # (step, metrics) dispatched but not yet reported
   loader_state = loader.state()  # always the position matching `state`
   try:
     for step in range(start + 1, opt.steps + 1):
@@ -321,23 +320,17 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
           model_cfg, attention.mean_context(batch["segment_ids"]))
       state, metrics, grads_sum = step_fn(state, grads_sum, batch, max_documents=max_documents)
       loader_state = loader.state()
-      # Step t-1's metrics are read only after step t is dispatched: the host never stalls the
-      # device. A checkpoint step is reported before it is saved.
-      if pending is not None:
-        report(*pending)
-        pending = None
+      # A logged step is read as soon as it is dispatched, so its time is its own (a step's
+      # micro-batches go in as host arrays, whose copies wait for the device anyway: reading one
+      # step later reported two steps as one, measured on the H200). A logged step is checked
+      # finite before it is saved; save checks the parameters of every step it saves.
       if step % opt.log_every == 0 or step == opt.steps:
-        pending = (step, metrics)
+        report(step, metrics)
       if step % opt.ckpt_every == 0 or step == opt.steps:
-        if pending is not None:
-          report(*pending)
-          pending = None
         save(step)
   except (KeyboardInterrupt, cache.CacheError) as e:
     # Interrupted, or a damaged row was read: every finished step is saved before leaving.
     done = int(state["step"])
-    if pending is not None and pending[0] <= done:
-      report(*pending)
     if done > last_saved:
       save(done)
       logging.info("%s: %s; saved step %d", name,
