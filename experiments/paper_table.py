@@ -40,7 +40,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import e2e_bench  # noqa: E402
-from kdjax import cache, pipeline, train  # noqa: E402
+from kdjax import pipeline, train  # noqa: E402
 from kdjax.models import attention, llama  # noqa: E402
 
 METHODS = ("online", "dense", "chunked", "ours")

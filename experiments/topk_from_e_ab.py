@@ -12,7 +12,7 @@ student (configs/demo.py, bf16 matmuls) both ways, impl "xla" with that recovery
 import jax.numpy as jnp
 
 from experiments import demo_ab
-from kdjax.kernels import objectives, xla
+from kdjax.kernels import chunked, objectives
 
 
 def from_e(chunk_terms):
@@ -42,17 +42,17 @@ def from_e(chunk_terms):
 def main():
   args = demo_ab.parse_args(__doc__, "runs/topk_from_e_ab")
   prep = demo_ab.prepare(args.out)
-  exact = xla.chunk_terms
+  exact = chunked.chunk_terms
   results = {}
   try:
     for seed in args.seeds:
       for arm in ("exact", "from_e"):
-        xla.chunk_terms = exact if arm == "exact" else from_e(exact)
+        chunked.chunk_terms = exact if arm == "exact" else from_e(exact)
         results[f"{arm}_seed{seed}"] = demo_ab.distil(
             prep, args.out, f"{arm}_seed{seed}", seed, lambda c: setattr(c.loss, "impl", "xla"))
         demo_ab.report(results, args.out)
   finally:
-    xla.chunk_terms = exact
+    chunked.chunk_terms = exact
 
 
 if __name__ == "__main__":

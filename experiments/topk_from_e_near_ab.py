@@ -34,7 +34,7 @@ from flax import nnx
 
 from experiments import demo_ab, topk_from_e_ab
 from kdjax import cache, evaluate, pipeline
-from kdjax.kernels import xla
+from kdjax.kernels import chunked
 from kdjax.models import hf
 
 ARMS = ("exact", "from_e")
@@ -139,7 +139,7 @@ def main():
   kl_to_teacher = lambda model: full_kl(teacher, model, store, prep.eval.batch_size)
   floor = teacher_in_bf16(teacher, cfg, prep, store, args.out)
   configs = {}
-  exact = xla.chunk_terms
+  exact = chunked.chunk_terms
   results, starts = {}, {}
   try:
     for objective in objectives:
@@ -155,7 +155,7 @@ def main():
                        ckpt_every=args.steps)
 
         for arm in ARMS:
-          xla.chunk_terms = exact if arm == "exact" else topk_from_e_ab.from_e(exact)
+          chunked.chunk_terms = exact if arm == "exact" else topk_from_e_ab.from_e(exact)
           name = f"{objective}_{arm}_seed{seed}"
           results[name] = demo_ab.distil(prep, args.out, name, seed, edit)
           c = configs[os.path.join(args.out, name)]
@@ -166,7 +166,7 @@ def main():
           starts[objective, seed] = json.load(f)["student_init"]
         starts[objective, seed]["full_kl"] = kl_to_teacher(load_bf16(init))
   finally:
-    xla.chunk_terms = exact
+    chunked.chunk_terms = exact
   summary(results, starts, floor, objectives, args.seeds)
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from kdjax import kernels
-from kdjax.kernels import fused, mgpu, objectives, xla
+from kdjax.kernels import chunked, fused, mgpu, objectives
 from test_kernels import TOL, _rng, assert_close, make_inputs, numpy_loss, run_loss
 
 
@@ -69,7 +69,7 @@ def test_pallas_fused_chunk_sizes(monkeypatch):
     chunk = fused.default_chunk(tokens, dim, vocab, jnp.bfloat16, spec)
     unavoidable = 4 * (tokens * dim + dim * vocab)
     assert chunk % 256 == 0 and chunk <= tokens
-    assert 2 * chunk * vocab <= max(xla.MIN_WORKING_SET_BYTES, unavoidable / 6)
+    assert 2 * chunk * vocab <= max(chunked.MIN_WORKING_SET_BYTES, unavoidable / 6)
   assert fused.default_chunk(32768, 4096, 131072, jnp.bfloat16, spec) == 2048
   two_softmax = objectives.LossSpec("sparse", 2.0, 0.0, True)
   assert fused.default_chunk(32768, 4096, 131072, jnp.bfloat16, two_softmax) == 1024

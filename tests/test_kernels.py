@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kdjax import kernels
-from kdjax.kernels import fused, objectives, pallas, xla
+from kdjax.kernels import chunked, fused, objectives, pallas_exact
 
 # Tolerances, once per input dtype; never loosen. bf16 gradients carry the bf16 rounding of dL/dz
 # before the gradient matmuls, of the outputs, and of dW accumulated chunk by chunk.
@@ -199,7 +199,7 @@ def test_without_labels_and_default_chunk(impl):
 
 
 def test_pallas_several_vocabulary_tiles(monkeypatch):
-  monkeypatch.setattr(pallas, "BLOCK", 128)  # V = 333: two full tiles and a partial one
+  monkeypatch.setattr(pallas_exact, "BLOCK", 128)  # V = 333: two full tiles and a partial one
   inputs = make_inputs((2, 11), 16, 333, 6, jnp.float32)
   want = numpy_loss(inputs, "tail", 0.7, 0.5)
   value, _, (dh, dw) = run_loss(inputs, 1.0, objective="tail", temperature=0.7, ce_weight=0.5,
@@ -229,7 +229,7 @@ def test_pallas_row_maximum_far_above_topk(monkeypatch, objective):
   assert_close("loss", value, want["loss"], TOL[jnp.float32]["loss"])
   assert_close("dhidden", dh, want["dh"], TOL[jnp.float32]["grad"])
   assert_close("dlm_head", dw, want["dw"], TOL[jnp.float32]["grad"])
-  monkeypatch.setattr(xla, "SHIFT_LIMIT", float("inf"))  # the test does exercise that branch
+  monkeypatch.setattr(chunked, "SHIFT_LIMIT", float("inf"))  # the test does exercise that branch
   value, _, _ = run_loss(inputs, 1.0, objective=objective, ce_weight=0.5, impl="pallas",
                          chunk_size=8)
   assert not np.isfinite(float(value))
@@ -300,12 +300,12 @@ def test_float32_dw_accumulation(impl):
 
 
 def test_default_chunk_grows_with_memory():
-  small = xla.default_chunk(32768, 4096, 131072, jnp.bfloat16)
-  large = xla.default_chunk(262144, 4096, 131072, jnp.bfloat16)
+  small = chunked.default_chunk(32768, 4096, 131072, jnp.bfloat16)
+  large = chunked.default_chunk(262144, 4096, 131072, jnp.bfloat16)
   assert small % 128 == 0 and large % 128 == 0 and 6 * small * 131072 <= 2**30
-  assert small < large <= xla.MAX_CHUNK
-  assert xla.default_chunk(5, 16, 300, jnp.float32) == 5
-  assert xla.default_chunk(4096, 64, 8 * 2**20, jnp.bfloat16) == 128  # a huge vocabulary: one tile
+  assert small < large <= chunked.MAX_CHUNK
+  assert chunked.default_chunk(5, 16, 300, jnp.float32) == 5
+  assert chunked.default_chunk(4096, 64, 8 * 2**20, jnp.bfloat16) == 128  # a huge vocabulary: one tile
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -3,10 +3,11 @@
 Shape letters: B batch, T positions, N flattened positions, C chunk of positions, D model width,
 V vocabulary, K cached top-k entries.
 
-Modules: loss (public API, definitions), objectives (per-position math shared by the chunked
-impls), reference (dense jnp), xla (scan over chunks), fused (impl "pallas": the logits matmul
-with exp fused, kernel in mgpu), pallas (impl "pallas_exact": Triton passes over the float32
-logits), paper (the paper's fused algorithm, as a baseline).
+Modules, by `impl`: loss (public API, definitions, picks the impl), objectives (per-position math
+shared by the chunked impls), chunked (the scan over position chunks every chunked impl runs, and
+impl "xla"'s XLA passes), fused + mgpu (impl "pallas": the logits matmul with exp fused, a Mosaic
+GPU kernel), pallas_exact (impl "pallas_exact": Triton passes over the float32 logits), reference
+(impl "reference": dense jnp), paper (impl "paper": the paper's algorithm, a benchmark baseline).
 """
 from kdjax.kernels.loss import IMPLS, position_stats, topk_kl_loss
 

@@ -1,12 +1,12 @@
 """impl="pallas": the chunked fused loss with the logits matmul and exp fused into one kernel.
 
-Per chunk of C positions (the driver is kdjax.kernels.xla.chunked_loss, gradients computed in
+Per chunk of C positions (the driver is kdjax.kernels.chunked.chunked_loss, gradients computed in
 the forward pass) three [C, D] x [D, V] matmuls run, the work floor: the logits, then dh and dW
 from dL/dz = r * E (+ K exact entries), r a per-row scale the two gradient matmuls (cuBLAS)
 absorb. Here the first is mgpu.logits_exp, a Mosaic GPU (Hopper) matmul that writes
 E = exp(z / tau) in bf16 and per-tile row sums straight from its float32 accumulator: the [C, V]
 float32 logits never exist, the working set is E alone (2 bytes per [C, V] element, against 6
-on the two-kernel path, kdjax.kernels.pallas), so chunks are 3x larger in the same memory
+on the two-kernel path, kdjax.kernels.pallas_exact), so chunks are 3x larger in the same memory
 (fewer dW read-modify-writes), and no pass over the logits is left.
 
 The price: the top-k and label logits are read back from E (fused_project), with up to 2^-8
@@ -29,7 +29,7 @@ entries, T column tiles, J gathered entries per row, F entries per step.
 import jax
 import jax.numpy as jnp
 
-from kdjax.kernels import mgpu, objectives, pallas, xla
+from kdjax.kernels import chunked, mgpu, objectives, pallas_exact
 
 # The fused path (see fused_project) shifts a chunk's rows by 0 and repeats the chunk with each
 # row shifted by its maximum when some row's max z / tau lies outside [SAFE_LOW, SAFE_HIGH]: then
@@ -38,10 +38,10 @@ from kdjax.kernels import mgpu, objectives, pallas, xla
 SAFE_LOW, SAFE_HIGH = -24.0, 64.0
 # The fused path's working set per [C, V] element is E alone (2 bytes; else z and E, 6 bytes),
 # and its chunk temporaries beyond E take ~0.3 of E: so a sixth of the unavoidable memory
-# (xla.default_chunk) keeps A/256K (D 4096, V 131072) under 7.5 GiB, with chunk 4096.
+# (chunked.default_chunk) keeps A/256K (D 4096, V 131072) under 7.5 GiB, with chunk 4096.
 FUSED_ENTRY_BYTES = 2
 FUSED_SHARE = 1 / 6
-FUSED_MAX_CHUNK = 3 * xla.MAX_CHUNK
+FUSED_MAX_CHUNK = 3 * chunked.MAX_CHUNK
 # Entries per step of exact_logits_where.
 EXACT_BATCH = 1024
 
@@ -58,18 +58,18 @@ def row_multiple() -> int:
 
 
 def default_chunk(num_rows: int, dim: int, vocab: int, dtype, spec=None) -> int:
-  """xla.default_chunk for the working set of the path the chunk takes; on the fused path a
+  """chunked.default_chunk for the working set of the path the chunk takes; on the fused path a
   multiple of row_multiple() (topk_kl_loss rounds other chunk sizes down to one)."""
   if spec is not None and applies(spec, dtype, dim, vocab):
     mult = row_multiple()
-    return xla.default_chunk(num_rows, dim, vocab, dtype,
+    return chunked.default_chunk(num_rows, dim, vocab, dtype,
                              entry_bytes=FUSED_ENTRY_BYTES, share=FUSED_SHARE,
                              max_chunk=FUSED_MAX_CHUNK, multiple=mult)
-  return xla.default_chunk(num_rows, dim, vocab, dtype)
+  return chunked.default_chunk(num_rows, dim, vocab, dtype)
 
 
 def fused_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats=False):
-  """xla.logits_project's contract from one kernel: the logits matmul writes E = exp(z / tau)
+  """chunked.logits_project's contract from one kernel: the logits matmul writes E = exp(z / tau)
   in bf16 and per-tile row sums and maxima (mgpu.logits_exp); no [C, V] float32 array exists.
 
   Shift 0, unless a row's maximum leaves [SAFE_LOW, SAFE_HIGH] (in z / tau): then the chunk is
@@ -129,7 +129,7 @@ def exact_logits_where(todo_CxJ, z_CxJ, hidden_CxD, lm_head_DxV, ids_CxJ):
   return jax.lax.while_loop(lambda carry: jnp.any(carry[1]), step, (z_CxJ, todo_CxJ))[0]
 
 
-exact_project = xla.logits_project(pallas.exp_pass)
+exact_project = chunked.logits_project(pallas_exact.exp_pass)
 
 
 def project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats=False):
@@ -141,12 +141,12 @@ def project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats=False
   return exact_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats)
 
 
-_loss = xla.build_fused_loss(project, pallas.dense_grad)
+_loss = chunked.build_fused_loss(project, pallas_exact.dense_grad)
 
 
 def topk_kl_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
                  dw_dtype, per_position=False):
-  """The chunked loss (xla.build_fused_loss's contract) on the fused path where it applies: the
+  """The chunked loss (chunked.build_fused_loss's contract) on the fused path where it applies: the
   chunk is rounded down to a multiple of row_multiple() and fewer rows are padded to one (padded
   rows weigh 0; the padding's own gradient drops them)."""
   (num_rows, dim), vocab = hidden_NxD.shape, lm_head_DxV.shape[1]

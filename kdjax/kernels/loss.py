@@ -31,14 +31,14 @@ carries up to 2^-8 relative error (the loss per position up to ~2^-8 * tau^2 nat
 to change what a student learns (BENCHMARKS.md). impl "pallas_exact" is exact there.
 Memory (chunked impls): hidden, lm_head, their gradients, plus one chunk's working set: its
 [C, V] float32 logits and their gradient (bf16), or on impl "pallas" the gradient alone; C is
-sized to the memory by default (xla.default_chunk, fused.default_chunk).
+sized to the memory by default (chunked.default_chunk, fused.default_chunk).
 
 Shape letters: N flattened positions, D model width, V vocabulary, K cached entries.
 """
 import jax
 import jax.numpy as jnp
 
-from kdjax.kernels import objectives, reference, xla
+from kdjax.kernels import chunked, objectives, reference
 
 IMPLS = ("auto", "reference", "xla", "pallas", "pallas_exact", "paper")
 
@@ -47,13 +47,13 @@ def _fused_impl(impl: str):
   if impl == "auto":
     impl = "pallas" if jax.default_backend() == "gpu" else "xla"
   if impl == "xla":
-    return xla.topk_kl_loss, xla.default_chunk
+    return chunked.topk_kl_loss, chunked.default_chunk
   if impl == "pallas":
     from kdjax.kernels import fused
     return fused.topk_kl_loss, fused.default_chunk
   if impl == "pallas_exact":
-    from kdjax.kernels import pallas
-    return pallas.topk_kl_loss, pallas.default_chunk
+    from kdjax.kernels import pallas_exact
+    return pallas_exact.topk_kl_loss, pallas_exact.default_chunk
   if impl == "paper":
     from kdjax.kernels import paper
     return paper.topk_kl_loss, paper.default_chunk
@@ -153,7 +153,7 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
   positions = ()
   if num_rows == 0:
     loss, kl, ce = zero, zero, zero
-    positions = xla.zero_positions(0)
+    positions = chunked.zero_positions(0)
   elif impl == "reference":
     loss, kl, ce, positions = reference.topk_kl_loss(hidden_NxD, lm_head, ids_NxK, logp_NxK,
                                                      mask_N, labels_N, spec)
@@ -172,7 +172,7 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
   aux = {"kl": jax.lax.stop_gradient(kl), "ce": jax.lax.stop_gradient(ce)}
   if per_position:
     aux["positions"] = {name: x_N.reshape(hidden.shape[:-1])
-                        for name, x_N in zip(xla.POSITION_TERMS, positions)}
+                        for name, x_N in zip(chunked.POSITION_TERMS, positions)}
   return loss, aux
 
 
@@ -192,11 +192,11 @@ def position_stats(hidden, lm_head, topk_ids, labels=None, *, chunk_size=None):
   labels_N = (jnp.zeros((num_rows,), jnp.int32) if labels is None
               else labels.reshape(num_rows).astype(jnp.int32))
   dtype = jnp.promote_types(hidden.dtype, lm_head.dtype)
-  chunk = min(chunk_size or xla.default_chunk(num_rows, dim, vocab, dtype), max(num_rows, 1))
+  chunk = min(chunk_size or chunked.default_chunk(num_rows, dim, vocab, dtype), max(num_rows, 1))
   if num_rows == 0:
     out = reference.position_stats(hidden_NxD, lm_head, ids_NxK, labels_N)
   else:
-    out = xla.position_stats(hidden_NxD, lm_head, ids_NxK, labels_N, chunk)
+    out = chunked.position_stats(hidden_NxD, lm_head, ids_NxK, labels_N, chunk)
   if labels is None:
     out.pop("label_logit")
   return {k: v.reshape(batch + v.shape[1:]) for k, v in out.items()}

@@ -77,8 +77,7 @@ def logits_exp_reference(h_MxK, w_KxV, scale, shift_M=None, bn=GPU_TILES.bn, wit
 def _interpret_params():
   if _on_gpu():
     return None
-  from jax._src.pallas.mosaic_gpu.interpret import params  # CPU: Mosaic GPU's interpreter
-  return params.InterpretGPUParams()
+  return plgpu.InterpretGPUParams()  # CPU: Mosaic GPU's interpreter
 
 
 def _num_sms():

@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kdjax.kernels import objectives, xla
+from kdjax.kernels import chunked, objectives
 
 CHUNK = 4096
 
@@ -36,9 +36,9 @@ def _normalisers(hidden_NxD, lm_head_DxV, spec, chunk):
   def body(lse, i):
     start = jnp.minimum(i * chunk, num_rows - chunk)
     h_CxD = jax.lax.dynamic_slice_in_dim(hidden_NxD, start, chunk)
-    _, sums, shift_C, _ = xla.xla_exp_pass(_logits(h_CxD, lm_head_DxV), None,
-                                           xla.softmax_scales(spec), None)
-    lse_s_C, lse_z_C = xla.normalisers(sums, shift_C, spec)
+    _, sums, shift_C, _ = chunked.xla_exp_pass(_logits(h_CxD, lm_head_DxV), None,
+                                           chunked.softmax_scales(spec), None)
+    lse_s_C, lse_z_C = chunked.normalisers(sums, shift_C, spec)
     put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=0)
     return (put(lse[0], lse_s_C), put(lse[1], lse_z_C)), None
 
@@ -52,9 +52,9 @@ def _sums(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, lse, spec, 
   take = lambda x, start: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=0)
 
   def body(sums, i):
-    start, fresh_C = xla._chunk_start(i, num_rows, chunk)
+    start, fresh_C = chunked.chunk_start(i, num_rows, chunk)
     logits_CxV = _logits(take(hidden_NxD, start), lm_head_DxV)
-    zk_CxK, zl_C = xla._gather_rows(logits_CxV, take(ids_NxK, start), take(labels_N, start))
+    zk_CxK, zl_C = chunked.gather_rows(logits_CxV, take(ids_NxK, start), take(labels_N, start))
     terms = objectives.row_terms(zk_CxK, zl_C, take(lse[0], start), take(lse[1], start),
                                  take(logp_NxK, start), spec)
     w_C = jnp.where(fresh_C, take(w_N, start), 0.0)
@@ -88,21 +88,21 @@ def _bwd(spec, chunk, dw_dtype, residuals, cotangents):
 
   def body(carry, i):
     dh_NxD, dw_DxV = carry
-    start, fresh_C = xla._chunk_start(i, num_rows, chunk)
+    start, fresh_C = chunked.chunk_start(i, num_rows, chunk)
     h_CxD = take(hidden_NxD, start)
     ids_CxK, labels_C = take(ids_NxK, start), take(labels_N, start)
     logits_CxV = _logits(h_CxD, lm_head_DxV)
     lse_s_C, lse_z_C = take(lse[0], start), take(lse[1], start)
-    zk_CxK, zl_C = xla._gather_rows(logits_CxV, ids_CxK, labels_C)
+    zk_CxK, zl_C = chunked.gather_rows(logits_CxV, ids_CxK, labels_C)
     terms = objectives.row_terms(zk_CxK, zl_C, lse_s_C, lse_z_C, take(logp_NxK, start), spec)
     w_C = jnp.where(fresh_C, take(g_w_N, start), 0.0)
-    dz_CxV, _ = xla.chunk_dlogits(logits_CxV, None, None, (zk_CxK, zl_C, lse_s_C, lse_z_C),
-                                  terms, ids_CxK, labels_C, w_C, spec, dtype, xla.xla_dense_grad)
+    dz_CxV, _ = chunked.chunk_dlogits(logits_CxV, None, None, (zk_CxK, zl_C, lse_s_C, lse_z_C),
+                                  terms, ids_CxK, labels_C, w_C, spec, dtype, chunked.xla_dense_grad)
     dh_CxD = jnp.einsum("cv,dv->cd", dz_CxV, lm_head_DxV.astype(dtype),
                         preferred_element_type=jnp.float32).astype(dh_NxD.dtype)
     dh_CxD = jnp.where(fresh_C[:, None], dh_CxD, take(dh_NxD, start))
     dh_NxD = jax.lax.dynamic_update_slice_in_dim(dh_NxD, dh_CxD, start, axis=0)
-    dw_DxV = xla.accumulate_dw(dw_DxV, h_CxD.astype(dtype), dz_CxV)
+    dw_DxV = chunked.accumulate_dw(dw_DxV, h_CxD.astype(dtype), dz_CxV)
     return (dh_NxD, dw_DxV), None
 
   dh_NxD, dw_DxV = _scan_chunks(

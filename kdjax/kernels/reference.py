@@ -13,7 +13,7 @@ def topk_kl_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, mask_N, labels_N,
                  spec: objectives.LossSpec):
   """Returns (loss, kl_mean, ce_mean, positions), differentiable in hidden and lm_head;
   positions: per-position kl, ce, entropy (of the student softmax at tau), top1 (the student's
-  argmax is the teacher's most probable cached id), as in kdjax.kernels.xla.POSITION_TERMS."""
+  argmax is the teacher's most probable cached id), as in kdjax.kernels.chunked.POSITION_TERMS."""
   tau = spec.temperature
   logits_NxV = jnp.einsum("nd,dv->nv", hidden_NxD, lm_head_DxV,
                           preferred_element_type=jnp.float32)

@@ -19,7 +19,7 @@ softmaxes in dL/dz: there the pass only sums and a second pass (`dense_grad`) wr
 Chunks never pad the big arrays: chunk i starts at min(i * C, N - C), so the last chunk overlaps
 the previous one and its already-counted rows get weight 0 (and keep their dh); default_chunk
 picks C to keep that overlap small. The same driver serves impls "pallas" (kernels.fused) and
-"pallas_exact" (kernels.pallas), which swap in their own `project`.
+"pallas_exact" (kernels.pallas_exact), which swap in their own `project`.
 
 Why no jax.checkpoint option: rematerialising instead (a checkpointed scan that recomputes each
 chunk's logits in the backward pass) would cost a fourth matmul per chunk and save nothing, since
@@ -123,13 +123,13 @@ def xla_dense_grad(logits_CxV, lse_s_C, lse_z_C, a_C, b_C, spec, dtype):
   return dz_CxV.astype(dtype)
 
 
-def _chunk_start(i, num_rows, chunk):
+def chunk_start(i, num_rows, chunk):
   start = jnp.minimum(i * chunk, num_rows - chunk)
   fresh_C = start + jnp.arange(chunk) >= i * chunk
   return start, fresh_C
 
 
-def _gather_rows(logits_CxV, ids_CxK, labels_C):
+def gather_rows(logits_CxV, ids_CxK, labels_C):
   zk_CxK = jnp.take_along_axis(logits_CxV, ids_CxK, axis=-1)
   zl_C = jnp.take_along_axis(logits_CxV, labels_C[:, None], axis=-1)[:, 0]
   return zk_CxK, zl_C
@@ -149,7 +149,7 @@ def logits_project(exp_pass: Callable) -> Callable:
   def project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats=False):
     logits_CxV = jnp.einsum("cd,dv->cv", hidden_CxD, lm_head_DxV,
                             preferred_element_type=jnp.float32)
-    zk_CxK, zl_C = _gather_rows(logits_CxV, ids_CxK, labels_C)
+    zk_CxK, zl_C = gather_rows(logits_CxV, ids_CxK, labels_C)
     hint_C = jnp.max(zk_CxK, axis=-1)
     if spec.has_labels:
       hint_C = jnp.maximum(hint_C, zl_C)
@@ -250,7 +250,7 @@ def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec
   e_dtype = dtype if with_grads and writes_dense(spec) else None
 
   def body(carry, i):
-    start, fresh_C = _chunk_start(i, num_rows, chunk)
+    start, fresh_C = chunk_start(i, num_rows, chunk)
     h_CxD = take(hidden_NxD, start)
     ids_CxK, labels_C = take(ids_NxK, start), take(labels_N, start)
     w_C = jnp.where(fresh_C, take(w_N, start), 0.0)
@@ -331,10 +331,10 @@ def position_stats(hidden_NxD, lm_head_DxV, ids_NxK, labels_N, chunk):
 
   def body(out, i):
     # Overlapping rows of the last chunk are recomputed to identical values: plain overwrite.
-    start, _ = _chunk_start(i, num_rows, chunk)
+    start, _ = chunk_start(i, num_rows, chunk)
     logits_CxV = jnp.einsum("cd,dv->cv", take(hidden_NxD, start), lm_head_DxV,
                             preferred_element_type=jnp.float32)
-    zk_CxK, zl_C = _gather_rows(logits_CxV, take(ids_NxK, start), take(labels_N, start))
+    zk_CxK, zl_C = gather_rows(logits_CxV, take(ids_NxK, start), take(labels_N, start))
     new = dict(lse=jax.nn.logsumexp(logits_CxV, axis=-1),
                argmax=jnp.argmax(logits_CxV, axis=-1).astype(jnp.int32),
                label_logit=zl_C, topk_logits=zk_CxK)

@@ -2,14 +2,14 @@
 the float32 logits; also the fallback of impl "pallas" (kdjax.kernels.fused) where its kernel does
 not apply.
 
-Per chunk of C positions (the driver is kdjax.kernels.xla.chunked_loss, gradients computed in
+Per chunk of C positions (the driver is kdjax.kernels.chunked.chunked_loss, gradients computed in
 the forward pass): the three [C, D] x [D, V] matmuls stay with XLA (cuBLAS); the passes over the
 [C, V] float32 logits are these kernels:
 
   exp_pass    one read of z per row: the row sums of exp((z - shift) * scale) for the softmax
               normalisers, and E = exp((z / tau - shift / tau)) rounded once to the matmul
               dtype, for a shift given per row (the largest top-k / label logit). A row whose
-              maximum lies more than xla.SHIFT_LIMIT above its shift is swept again with its
+              maximum lies more than chunked.SHIFT_LIMIT above its shift is swept again with its
               own maximum, inside the same program.
   dense_grad  only for CE at tau != 1 (two softmaxes in dL/dz): one read of z, one write of
               a * softmax(z / tau) + b * softmax(z), in float32 rounded once to the matmul dtype.
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kdjax.kernels import objectives, xla
+from kdjax.kernels import chunked
 
 # Elements of a row per loop step, and warps per row program: 4096 f32 = 16 per thread with
 # 8 warps, i.e. four 16-byte loads in flight per thread.
@@ -106,14 +106,14 @@ def _exp_kernel(z_ref, hint_ref, *refs, scales, block, write, stats):
   if stats:
     top_ref[...] = top
 
-  @pl.when((top - hint) * max(scales) > xla.SHIFT_LIMIT)
+  @pl.when((top - hint) * max(scales) > chunked.SHIFT_LIMIT)
   def _():  # rare: the row's maximum is far above every top-k logit; shift by the maximum
     finish(top, sweep(top)[1])
 
 
 def exp_pass(logits_CxV, hint_C, scales, dtype, stats=False):
   """(E = exp((z - shift) * scales[0]) in dtype or None, sums per scale, shift, stats): see
-  kdjax.kernels.xla. One read of z per row, two for rows beyond xla.SHIFT_LIMIT."""
+  kdjax.kernels.chunked. One read of z per row, two for rows beyond chunked.SHIFT_LIMIT."""
   rows, vocab = logits_CxV.shape
   block = min(BLOCK, pl.next_power_of_2(vocab))
   scalar = jax.ShapeDtypeStruct((), jnp.float32)
@@ -159,5 +159,5 @@ def dense_grad(logits_CxV, lse_s_C, lse_z_C, a_C, b_C, spec, dtype):
   return jax.vmap(call)(logits_CxV, *(x.astype(jnp.float32) for x in args))
 
 
-default_chunk = xla.default_chunk
-topk_kl_loss = xla.build_fused_loss(xla.logits_project(exp_pass), dense_grad)
+default_chunk = chunked.default_chunk
+topk_kl_loss = chunked.build_fused_loss(chunked.logits_project(exp_pass), dense_grad)
