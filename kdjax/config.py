@@ -1,38 +1,34 @@
 """The config schema: every field with its units, and the checks run before any stage starts.
 
-`configs/*.py` start from `base()` and override values; nothing else in kdjax has defaults.
+`configs/*.py` start from `base()` and override values. The defaults live here, except the model
+groups' fields, owned by kdjax.models.llama.ModelConfig; every list of choices is imported from the
+module that implements it.
 """
 import difflib
 import re
 
 import ml_collections
 
+from kdjax.cache.layout import LAYOUTS
+from kdjax.data.sources import LOSS_MASKS
+from kdjax.kernels import IMPLS
+from kdjax.kernels.objectives import OBJECTIVES
+from kdjax.models import llama
+from kdjax.train import STATE_MEMORIES
+
+# The choices below are owned by the modules that implement them (imported above); the stages
+# are owned here: kdjax.pipeline runs stage_<name> for each, in this order.
 STAGES = ("data", "pretrain", "cache", "train", "baseline", "eval", "export")
-OBJECTIVES = ("sparse", "tail", "renorm")
-IMPLS = ("auto", "reference", "xla", "pallas", "pallas_exact", "paper")
-LAYOUTS = ("float32", "compact")
-DTYPES = ("float32", "bfloat16")
+DTYPES = tuple(llama.DTYPES)
 
 
 def model_group(**overrides) -> ml_collections.ConfigDict:
+  """A teacher or student group: hf_path, then every field of kdjax.models.llama.ModelConfig with
+  its default (documented there); vocab_size 0 takes the tokenizer's size."""
   g = ml_collections.ConfigDict()
-  g.hf_path = ""  # Hugging Face checkpoint dir; when set, shapes below come from its config.json
-  g.vocab_size = 0  # embedding rows (0 = the tokenizer's vocabulary size)
-  g.d_model = 256  # residual width
-  g.n_layers = 4  # transformer blocks
-  g.n_heads = 4  # query heads
-  g.n_kv_heads = 2  # key/value heads (grouped-query attention)
-  g.head_dim = 64  # per-head width
-  g.d_ff = 768  # SwiGLU hidden width
-  g.rope_theta = 10000.0  # RoPE base
-  g.rope_scaling = ml_collections.ConfigDict()  # llama3 rope scaling; empty = none
-  g.norm_eps = 1e-5  # RMSNorm epsilon
-  g.tie_embeddings = False  # lm_head = embedding.T
-  g.qk_norm = False  # RMSNorm on queries and keys (Qwen3)
-  g.dtype = "float32"  # activation / matmul dtype
-  g.param_dtype = "float32"  # parameter storage dtype
-  g.remat = True  # recompute each block in backward (activation memory ~ one block)
-  g.attention_impl = "auto"  # "auto" (cuDNN flash attention on GPU in bf16, else einsum), "einsum", "cudnn"
+  g.hf_path = ""  # Hugging Face checkpoint dir; when set, the shapes come from its config.json
+  for f in llama.ModelConfig.config_fields():
+    g[f.name] = ml_collections.ConfigDict() if f.name == "rope_scaling" else f.default
   g.update(overrides)
   return g
 
@@ -126,14 +122,12 @@ def _require(ok: bool, msg: str):
 def _check_model(name: str, g):
   if g.hf_path:
     return  # shapes come from the checkpoint and are checked on load
-  for f in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
-    _require(g[f] > 0, f"{name}.{f} must be > 0, got {g[f]}")
   _require(g.vocab_size >= 0,
            f"{name}.vocab_size must be >= 0 (0 = tokenizer size), got {g.vocab_size}")
-  _require(g.n_heads % g.n_kv_heads == 0,
-           f"{name}.n_heads ({g.n_heads}) must be a multiple of {name}.n_kv_heads ({g.n_kv_heads})")
-  for f in ("dtype", "param_dtype"):
-    _require(g[f] in DTYPES, f"{name}.{f} must be one of {DTYPES}, got {g[f]!r}")
+  try:
+    llama.ModelConfig.from_config(g, vocab_size=g.vocab_size or 1, where=f"{name}.")
+  except ValueError as e:
+    _require(False, str(e).rstrip("."))
 
 
 def _check_opt(name: str, g):
@@ -150,8 +144,8 @@ def _check_opt(name: str, g):
   _require(g.weight_decay >= 0, f"{name}.weight_decay must be >= 0, got {g.weight_decay}")
   for field in ("accum_dtype", "state_dtype"):
     _require(g[field] in DTYPES, f"{name}.{field} must be one of {DTYPES}, got {g[field]!r}")
-  _require(g.state_memory in ("device", "host"),
-           f"{name}.state_memory must be 'device' or 'host', got {g.state_memory!r}")
+  _require(g.state_memory in STATE_MEMORIES,
+           f"{name}.state_memory must be one of {STATE_MEMORIES}, got {g.state_memory!r}")
 
 
 def validate(c: ml_collections.ConfigDict):
@@ -161,8 +155,8 @@ def validate(c: ml_collections.ConfigDict):
   order = [STAGES.index(s) for s in c.stages]
   _require(order == sorted(order), f"stages must run in the order {STAGES}")
   _require(c.data.seq_len >= 8, f"data.seq_len must be >= 8, got {c.data.seq_len}")
-  _require(c.data.loss_mask in ("all", "assistant"),
-           f"data.loss_mask must be 'all' or 'assistant', got {c.data.loss_mask!r}")
+  _require(c.data.loss_mask in LOSS_MASKS,
+           f"data.loss_mask must be one of {LOSS_MASKS}, got {c.data.loss_mask!r}")
   _require(c.data.eval_every >= 2, f"data.eval_every must be >= 2, got {c.data.eval_every}")
   _require(c.cache.k > 0, f"cache.k must be > 0, got {c.cache.k}")
   _require(c.cache.layout in LAYOUTS,
@@ -178,8 +172,8 @@ def validate(c: ml_collections.ConfigDict):
   _require(c.loss.ce_weight >= 0, f"loss.ce_weight must be >= 0, got {c.loss.ce_weight}")
   _require(c.loss.chunk_size >= 0,
            f"loss.chunk_size must be >= 0 (0: sized by the kernel), got {c.loss.chunk_size}")
-  _require(c.loss.dw_dtype in ("float32", "bfloat16"),
-           f"loss.dw_dtype must be 'float32' or 'bfloat16', got {c.loss.dw_dtype!r}")
+  _require(c.loss.dw_dtype in DTYPES,
+           f"loss.dw_dtype must be one of {DTYPES}, got {c.loss.dw_dtype!r}")
   _require(c.eval.batch_size > 0, f"eval.batch_size must be > 0, got {c.eval.batch_size}")
   _require(c.eval.max_seqs >= 0, f"eval.max_seqs must be >= 0 (0 = all), got {c.eval.max_seqs}")
   _check_model("teacher", c.teacher)

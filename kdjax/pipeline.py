@@ -55,9 +55,7 @@ def load_tokenizer(c, paths: Paths):
 
 def model_config(group: ml_collections.ConfigDict, vocab_size: int) -> llama.ModelConfig:
   """The model shapes of a config group; vocab_size 0 takes the tokenizer's size."""
-  fields = group.to_dict()
-  fields["vocab_size"] = group.vocab_size or vocab_size
-  return llama.ModelConfig.from_config(ml_collections.ConfigDict(fields))
+  return llama.ModelConfig.from_config(group, vocab_size=group.vocab_size or vocab_size)
 
 
 def new_model(group, vocab_size: int, seed: int) -> tuple[nnx.Module, llama.ModelConfig]:
@@ -250,9 +248,7 @@ def print_report(results: dict):
   logging.info("\n".join(lines))
 
 
-STAGES = {"data": stage_data, "pretrain": stage_pretrain, "cache": stage_cache,
-          "train": stage_train, "baseline": stage_baseline, "eval": stage_eval,
-          "export": stage_export}
+STAGES = {name: globals()[f"stage_{name}"] for name in config.STAGES}  # config owns the names
 
 
 def run(c: ml_collections.ConfigDict):

@@ -31,6 +31,8 @@ from kdjax.models import attention, llama
 PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100": 989e12,
               "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12}
 
+STATE_MEMORIES = ("device", "host")  # where AdamW's moments live between updates
+
 
 def peak_flops(override_tflops: float = 0.0) -> float | None:
   """The device's dense bf16 peak FLOP/s: the override if set, else PEAK_FLOPS, else None."""

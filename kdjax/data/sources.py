@@ -23,6 +23,7 @@ _STDLIB_SKIP = frozenset({"test", "tests", "idle_test", "idlelib", "site-package
                           "__pycache__", "turtledemo", "ensurepip", "lib2to3", "encodings",
                           "pydoc_data"})
 _PARQUET_BATCH = 256
+LOSS_MASKS = ("all", "assistant")  # which tokens are targets: all, or assistant turns only
 
 
 class DataError(ValueError):
@@ -61,8 +62,8 @@ def documents(source: str, *, text_field: str = "text", messages_field: str = "m
     counts: optional Counter, updated with "docs", "bytes", "empty" (skipped empty documents)
       and "undecodable" (stdlib files that are not UTF-8).
   """
-  if loss_mask not in ("all", "assistant"):
-    raise DataError(f"loss_mask must be 'all' or 'assistant', got {loss_mask!r}")
+  if loss_mask not in LOSS_MASKS:
+    raise DataError(f"loss_mask must be one of {LOSS_MASKS}, got {loss_mask!r}")
   counts = collections.Counter() if counts is None else counts
   if source == "stdlib":
     stream = _stdlib_texts(counts)

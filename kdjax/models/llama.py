@@ -22,34 +22,38 @@ from flax.core import FrozenDict
 
 from kdjax.models import attention as attention_lib
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                       "original_max_position_embeddings")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Shapes and numerics of one model. Hashable: it is static metadata of the NNX module."""
-  vocab_size: int             # rows of the embedding table (may include padding rows)
-  d_model: int                # D
-  n_layers: int
-  n_heads: int                # H
-  n_kv_heads: int             # G
-  head_dim: int               # E
-  d_ff: int                   # F
-  rope_theta: float
-  rope_scaling: Any           # None or llama3 dict: factor, low/high_freq_factor, original_max_...
-  norm_eps: float
-  tie_embeddings: bool
-  qk_norm: bool               # Qwen3: RMSNorm over E on queries and keys before RoPE
-  dtype: str = "float32"      # compute dtype
-  param_dtype: str = "float32"
+  """Shapes and numerics of one model. Hashable: it is static metadata of the NNX module.
+
+  The owner of the model's fields: a config's teacher and student groups are these fields (with
+  these defaults, kdjax.config.model_group) plus `hf_path`, read back by `from_config`.
+  """
+  vocab_size: int = 0         # embedding rows, may include padding rows (config: 0 = tokenizer's)
+  d_model: int = 256          # D, residual width
+  n_layers: int = 4           # transformer blocks
+  n_heads: int = 4            # H, query heads
+  n_kv_heads: int = 2         # G, key/value heads (grouped-query attention)
+  head_dim: int = 64          # E, per-head width
+  d_ff: int = 768             # F, SwiGLU hidden width
+  rope_theta: float = 10000.0  # RoPE base
+  rope_scaling: Any = None    # None or llama3 dict: factor, low/high_freq_factor, original_max_...
+  norm_eps: float = 1e-5      # RMSNorm epsilon
+  tie_embeddings: bool = False  # lm_head = embedding.T
+  qk_norm: bool = False       # Qwen3: RMSNorm over E on queries and keys before RoPE
+  dtype: str = "float32"      # activation / matmul dtype
+  param_dtype: str = "float32"  # parameter storage dtype
+  remat: bool = True          # recompute each block in the backward pass (activations ~ one block)
+  attention_impl: str = "auto"  # "auto" (cuDNN on GPU in bf16, else einsum), "einsum", "cudnn"
   # Ids >= real_vocab_size are padding rows of the embedding table (e.g. Qwen's 151936 rows for
   # 151669 tokens); lm_head_DxV() drops them so they never enter a softmax. None: all rows real.
   # Set by kdjax.models.hf from the checkpoint's tokenizer, not read from configs.
   real_vocab_size: int | None = None
-  remat: bool = True          # recompute each block in the backward pass
-  attention_impl: str = "auto"  # "auto", "einsum" or "cudnn"; see kdjax/models/attention.py
 
   def __post_init__(self):
     if not self.rope_scaling:  # an empty config group means no scaling
@@ -68,40 +72,41 @@ class ModelConfig:
                          FrozenDict({k: float(scaling[k]) for k in _ROPE_SCALING_KEYS}))
 
   @classmethod
-  def from_config(cls, group) -> "ModelConfig":
-    """Reads exactly the fields of ModelConfig from an ml_collections group (extras ignored)."""
-    rope_scaling = group.rope_scaling
-    if rope_scaling is not None and hasattr(rope_scaling, "to_dict"):
-      rope_scaling = rope_scaling.to_dict()
-    cfg = cls(
-        vocab_size=group.vocab_size, d_model=group.d_model, n_layers=group.n_layers,
-        n_heads=group.n_heads, n_kv_heads=group.n_kv_heads, head_dim=group.head_dim,
-        d_ff=group.d_ff, rope_theta=group.rope_theta, rope_scaling=rope_scaling,
-        norm_eps=group.norm_eps, tie_embeddings=group.tie_embeddings, qk_norm=group.qk_norm,
-        dtype=group.dtype, param_dtype=group.param_dtype, remat=group.remat,
-        attention_impl=group.attention_impl)
-    cfg.validate()
-    return cfg
+  def config_fields(cls) -> list[dataclasses.Field]:
+    """The fields a config group sets (all but real_vocab_size, which comes from tokenizers)."""
+    return [f for f in dataclasses.fields(cls) if f.name != "real_vocab_size"]
 
-  def validate(self) -> "ModelConfig":
+  @classmethod
+  def from_config(cls, group, vocab_size: int | None = None, where: str = "") -> "ModelConfig":
+    """Reads the fields of ModelConfig from an ml_collections group (extras such as hf_path
+    ignored); vocab_size replaces the group's. Errors name fields as `where` + name."""
+    values = {f.name: group[f.name] for f in cls.config_fields()}
+    if hasattr(values["rope_scaling"], "to_dict"):
+      values["rope_scaling"] = values["rope_scaling"].to_dict()
+    if vocab_size is not None:
+      values["vocab_size"] = vocab_size
+    return cls(**values).validate(where)
+
+  def validate(self, where: str = "") -> "ModelConfig":
+    """Raises ValueError naming the field (prefixed by `where`, e.g. "student.")."""
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
       value = getattr(self, name)
       if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}.")
+        raise ValueError(f"{where}{name} must be a positive integer, got {value!r}.")
     if self.n_heads % self.n_kv_heads:
-      raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
+      raise ValueError(f"{where}n_heads ({self.n_heads}) must be a multiple of {where}n_kv_heads "
                        f"({self.n_kv_heads}) for grouped-query attention.")
     if self.head_dim % 2:
-      raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}.")
+      raise ValueError(f"{where}head_dim must be even for RoPE, got {self.head_dim}.")
     if not self.rope_theta > 0 or not self.norm_eps > 0:
-      raise ValueError(f"rope_theta and norm_eps must be positive, got {self.rope_theta}, "
-                       f"{self.norm_eps}.")
+      raise ValueError(f"{where}rope_theta and {where}norm_eps must be positive, got "
+                       f"{self.rope_theta}, {self.norm_eps}.")
     for name in ("dtype", "param_dtype"):
-      if getattr(self, name) not in _DTYPES:
-        raise ValueError(f"ModelConfig.{name} must be one of {sorted(_DTYPES)}, "
+      if getattr(self, name) not in DTYPES:
+        raise ValueError(f"{where}{name} must be one of {tuple(DTYPES)}, "
                          f"got {getattr(self, name)!r}.")
     if self.attention_impl not in attention_lib.IMPLS:
-      raise ValueError(f"attention_impl must be one of {attention_lib.IMPLS}, got "
+      raise ValueError(f"{where}attention_impl must be one of {attention_lib.IMPLS}, got "
                        f"{self.attention_impl!r}.")
     if self.real_vocab_size is not None and not 0 < self.real_vocab_size <= self.vocab_size:
       raise ValueError(f"real_vocab_size ({self.real_vocab_size}) must be in "
@@ -159,8 +164,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 def _init_arrays(key: jax.Array, specs: tuple, dtype: str) -> dict[str, jax.Array]:
   """One compiled call per distinct spec (eager per-array init compiles once per shape)."""
   keys = jax.random.split(key, len(specs))
-  return {name: (jnp.ones(shape, _DTYPES[dtype]) if std is None else
-                 (std * jax.random.normal(k, shape, jnp.float32)).astype(_DTYPES[dtype]))
+  return {name: (jnp.ones(shape, DTYPES[dtype]) if std is None else
+                 (std * jax.random.normal(k, shape, jnp.float32)).astype(DTYPES[dtype]))
           for k, (name, shape, std) in zip(keys, specs)}
 
 
@@ -192,7 +197,7 @@ class Block(nnx.Module):
 
   def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, inv_freq, max_documents):
     cfg = self.cfg
-    dt = _DTYPES[cfg.dtype]
+    dt = DTYPES[cfg.dtype]
     y_BxTxD = rms_norm(x_BxTxD, self.attn_norm_D[...], cfg.norm_eps)
     q_BxTxHxE = jnp.einsum("btd,dhe->bthe", y_BxTxD, self.wq_DxHxE[...].astype(dt))
     k_BxTxGxE = jnp.einsum("btd,dge->btge", y_BxTxD, self.wk_DxGxE[...].astype(dt))
@@ -236,7 +241,7 @@ class Transformer(nnx.Module):
     batch); needed by the cuDNN attention, ignored by the einsum reference.
     """
     cfg = self.cfg
-    dt = _DTYPES[cfg.dtype]
+    dt = DTYPES[cfg.dtype]
     inv_freq = rope_inv_freq(cfg)
     x_BxTxD = jnp.take(self.embed_VxD[...], tokens_BxT, axis=0).astype(dt)
     run_block = lambda block, x, pos, seg: block(x, pos, seg, inv_freq, max_documents)
@@ -252,7 +257,7 @@ class Transformer(nnx.Module):
     """Output projection [D, V] in the compute dtype (tied: embedding.T), real vocabulary only."""
     cfg = self.cfg
     w_DxV = self.embed_VxD[...].T if cfg.tie_embeddings else self.unembed_DxV[...]
-    return w_DxV[:, :cfg.output_vocab_size].astype(_DTYPES[cfg.dtype])
+    return w_DxV[:, :cfg.output_vocab_size].astype(DTYPES[cfg.dtype])
 
 
 def count_params(model: nnx.Module) -> int:
