@@ -13,6 +13,8 @@ from collections.abc import Iterable
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from kdjax.cache import durable
+
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 
 
@@ -102,10 +104,7 @@ def save(tok: Tokenizer, path: str) -> None:
 
 def _write_atomic(path: str, text: str) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write(text)
-  os.replace(tmp, path)
+  durable.write_text(path, text)
 
 
 def load(path: str) -> Tokenizer:

@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from kdjax import cache, kernels, tensorboard
+from kdjax.cache import durable
 from kdjax.checkpoints import Checkpoints
 from kdjax.data.packing import next_token_labels
 from kdjax.models import attention, llama
@@ -230,9 +231,7 @@ def _keep_metrics_until(path: str, step: int):
           kept.append(line if line.endswith("\n") else line + "\n")
       except (ValueError, KeyError):  # a line cut by a kill
         continue
-  with open(path + ".tmp", "w") as f:
-    f.writelines(kept)
-  os.replace(path + ".tmp", path)
+  durable.write_text(path, "".join(kept))
 
 
 def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, workdir: str,

@@ -65,6 +65,15 @@ def test_bfloat16_and_sharded_export(tmp_path, monkeypatch):
                                 np.asarray(model.embed_VxD[...].astype(jax.numpy.bfloat16)))
 
 
+def write_word_tokenizer(path, words: int, special: list[str]):
+  """A real tokenizer.json: `words` words (ids 0..words-1), then the special tokens."""
+  import tokenizers
+  vocab = {f"w{i}": i for i in range(words)}
+  hf_tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+  hf_tok.add_special_tokens(special)
+  hf_tok.save(os.path.join(path, "tokenizer.json"))
+
+
 def test_config_layouts_and_real_vocab(tmp_path):
   path = write(tmp_path, make_cfg())
   config = json.load(open(os.path.join(path, "config.json")))
@@ -77,9 +86,7 @@ def test_config_layouts_and_real_vocab(tmp_path):
   cfg = hf.config_from_hf(path)
   assert cfg.rope_theta == 1234.0 and cfg.rope_scaling == SCALING
   # tokenizer.json defining 60 of the 70 rows: the rest is padding, cut from lm_head.
-  tok = {"model": {"vocab": {f"w{i}": i for i in range(58)}},
-         "added_tokens": [{"id": 58, "content": "<a>"}, {"id": 59, "content": "<b>"}]}
-  json.dump(tok, open(os.path.join(path, "tokenizer.json"), "w"))
+  write_word_tokenizer(path, words=58, special=["<a>", "<b>"])
   model, cfg = hf.load(path)
   assert cfg.real_vocab_size == 60 and model.lm_head_DxV().shape == (16, 60)
   assert hf.config_from_hf(path, tokenizer_vocab=60).real_vocab_size == 60
@@ -90,8 +97,7 @@ def test_config_layouts_and_real_vocab(tmp_path):
   assert hf.config_from_hf(path, tokenizer_vocab=65).real_vocab_size == 65
   with pytest.raises(hf.CheckpointError, match="more than the checkpoint's 70"):
     hf.config_from_hf(path, tokenizer_vocab=71)
-  tok["added_tokens"].append({"id": 75, "content": "<c>"})  # more tokens than rows
-  json.dump(tok, open(os.path.join(path, "tokenizer.json"), "w"))
+  write_word_tokenizer(path, words=74, special=["<a>", "<b>"])  # 76 tokens, 70 rows
   with pytest.raises(hf.CheckpointError, match="do not belong together"):
     hf.load(path)
 

@@ -42,9 +42,14 @@ def write_json(path, obj, *, exclusive=False):
 
   exclusive: fail with FileExistsError if `path` exists.
   """
+  write_text(path, json.dumps(obj, indent=1, sort_keys=True), exclusive=exclusive)
+
+
+def write_text(path, text: str, *, exclusive=False):
+  """Writes `text` (UTF-8) so that readers see the whole file or nothing; durable on return."""
   tmp = f"{path}.tmp{os.getpid()}"
-  with builtins.open(tmp, "w") as f:
-    json.dump(obj, f, indent=1, sort_keys=True)
+  with builtins.open(tmp, "w", encoding="utf-8") as f:
+    f.write(text)
     f.flush()
     os.fsync(f.fileno())
   try:

@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
+from kdjax import tokenizer
 from kdjax.models.llama import ModelConfig, Transformer
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -64,14 +65,9 @@ def _check_dir(path: str) -> None:
 
 def real_vocab_size(path: str) -> int | None:
   """Tokens the checkpoint's tokenizer.json defines (largest id + 1), or None without one."""
-  tok_path = os.path.join(path, "tokenizer.json")
-  if not os.path.exists(tok_path):
+  if not os.path.exists(os.path.join(path, "tokenizer.json")):
     return None
-  tok = _read_json(tok_path)
-  vocab = tok.get("model", {}).get("vocab", {})
-  ids = list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1]
-  ids += [t["id"] for t in tok.get("added_tokens", [])]
-  return max(ids) + 1 if ids else None
+  return tokenizer.load(path).vocab_size
 
 
 def _rope(hf: dict) -> tuple[float, dict | None]:
