@@ -32,7 +32,7 @@ def check_inputs(c, tokenizer_path: str) -> None:
       from kdjax.models import hf  # lazily, as pipeline does
       cfg = hf.config_from_hf(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
                               tokenizer_vocab=vocab)
-      _same_tokenizer(role, group.hf_path, tok, c.data.tokenizer or tokenizer_path)
+      _same_tokenizer(role, group.hf_path, tok, tokenizer_path)
       output_vocab[role] = cfg.output_vocab_size
     elif group.vocab_size or vocab:
       output_vocab[role] = group.vocab_size or vocab
@@ -46,11 +46,10 @@ def check_inputs(c, tokenizer_path: str) -> None:
 
 
 def _run_tokenizer(c, tokenizer_path: str, stages: set):
-  """The tokenizer the run will use, or None when stage 'data' is about to train it."""
-  if c.data.tokenizer:
-    return tokenizer.load(c.data.tokenizer)  # names a missing or unreadable file
-  if os.path.exists(tokenizer_path):
-    return tokenizer.load(tokenizer_path)
+  """The tokenizer the run will use (tokenizer_path: pipeline.Paths.tokenizer), or None when
+  stage 'data' is about to train it."""
+  if c.data.tokenizer or os.path.exists(tokenizer_path):
+    return tokenizer.load(tokenizer_path)  # names a missing or unreadable file
   if "data" not in stages:
     raise FileNotFoundError(
         f"no tokenizer: {tokenizer_path} does not exist and stage 'data', which writes it, is not "

@@ -12,7 +12,6 @@ Outputs under the workdir:
   export/                     (stage export) the student as a Hugging Face checkpoint directory
 """
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -28,12 +27,15 @@ from kdjax.models import llama
 
 @dataclasses.dataclass(frozen=True)
 class Paths:
+  """Where a run's files are; the one place that decides which tokenizer the run uses."""
   workdir: str
   cache_dir: str
+  tokenizer: str  # data.tokenizer, else the one stage data trained (trained_tokenizer)
 
   @classmethod
   def from_config(cls, c) -> "Paths":
-    return cls(c.workdir, c.cache.path or os.path.join(c.workdir, "cache"))
+    return cls(c.workdir, c.cache.path or os.path.join(c.workdir, "cache"),
+               c.data.tokenizer or os.path.join(c.workdir, "data", "tokenizer.json"))
 
   def data(self, split: str) -> str:
     return os.path.join(self.workdir, "data", f"{split}.zarr")
@@ -42,15 +44,20 @@ class Paths:
     return os.path.join(self.cache_dir, f"{split}.zarr")
 
   @property
-  def tokenizer(self) -> str:
+  def trained_tokenizer(self) -> str:
     return os.path.join(self.workdir, "data", "tokenizer.json")
+
+  @property
+  def tokenizer_dir(self) -> str:
+    """The folder holding the run's tokenizer.json (and tokenizer_config.json, if any)."""
+    return self.tokenizer if os.path.isdir(self.tokenizer) else os.path.dirname(self.tokenizer)
 
   def run(self, name: str) -> str:
     return os.path.join(self.workdir, name)
 
 
 def load_tokenizer(c, paths: Paths):
-  return tokenizer.load(c.data.tokenizer or paths.tokenizer)
+  return tokenizer.load(paths.tokenizer)
 
 
 def model_config(group: ml_collections.ConfigDict, vocab_size: int) -> llama.ModelConfig:
@@ -88,7 +95,7 @@ def finished_model(c, paths: Paths, name: str, group, opt):
 
 
 def stage_data(c, paths: Paths):
-  data.build(c.data, tokenizer_path=paths.tokenizer, train_path=paths.data("train"),
+  data.build(c.data, tokenizer_path=paths.trained_tokenizer, train_path=paths.data("train"),
              eval_path=paths.data("eval"))
 
 
@@ -127,30 +134,12 @@ def load_teacher(c, paths: Paths):
   return model
 
 
-def teacher_hash(c, paths: Paths) -> str:
-  """Identity of the teacher's weights without reading them: config.json plus every weight file's
-  name, size and header (safetensors) or the final checkpoint's files (a teacher trained here)."""
-  digest = hashlib.sha256()
-  root = c.teacher.hf_path or os.path.join(paths.run("teacher"), "ckpt")
-  for folder, dirs, files in sorted(os.walk(root)):
-    dirs.sort()
-    for name in sorted(files):
-      path = os.path.join(folder, name)
-      digest.update(f"{os.path.relpath(path, root)}:{os.path.getsize(path)}".encode())
-      if name == "config.json" or name.endswith(".safetensors"):
-        with open(path, "rb") as f:
-          head = f.read(8)
-          # config.json whole; a safetensors file's JSON header (names, shapes, offsets)
-          size = int.from_bytes(head, "little") if name.endswith(".safetensors") else -1
-          digest.update(head + f.read(size))
-  return digest.hexdigest()
-
-
 def stage_cache(c, paths: Paths):
   model = load_teacher(c, paths)
   # The hash identifies the weights; the name is for people (a workdir may move, so no path).
   attrs = {"teacher": c.teacher.hf_path or "trained by stage pretrain (<workdir>/teacher)",
-           "teacher_hash": teacher_hash(c, paths),
+           "teacher_hash": teacher.weights_hash(
+               c.teacher.hf_path or os.path.join(paths.run("teacher"), "ckpt")),
            "tokenizer_hash": tokenizer.tokenizer_hash(load_tokenizer(c, paths)),
            "source": c.data.source}
   for split in ("train", "eval"):
@@ -223,9 +212,8 @@ def stage_export(c, paths: Paths):
         f"no finished student in {paths.run('student')} (opt.steps = {c.opt.steps}): run stage "
         "'train' before 'export'.")
   cfg = model.cfg
-  candidates = (c.student.hf_path, c.data.tokenizer, os.path.dirname(paths.tokenizer))
-  tokenizer_dir = next(d for d in candidates
-                       if d and os.path.exists(os.path.join(d, "tokenizer.json")))
+  own = c.student.hf_path and os.path.exists(os.path.join(c.student.hf_path, "tokenizer.json"))
+  tokenizer_dir = c.student.hf_path if own else paths.tokenizer_dir
   hf.export(model, cfg, paths.run("export"), tokenizer_dir=tokenizer_dir)
   logging.info("exported the student to %s (transformers.AutoModelForCausalLM loads it)",
                paths.run("export"))
@@ -254,7 +242,7 @@ STAGES = {name: globals()[f"stage_{name}"] for name in config.STAGES}  # config 
 def run(c: ml_collections.ConfigDict):
   config.validate(c)
   paths = Paths.from_config(c)
-  checks.check_inputs(c, paths.tokenizer)
+  checks.check_inputs(c, paths.tokenizer)  # the run's tokenizer, as Paths decided
   os.makedirs(c.workdir, exist_ok=True)
   with open(os.path.join(c.workdir, "config.json"), "w") as f:
     f.write(c.to_json_best_effort(indent=2))

@@ -9,6 +9,8 @@ killed run, started again, continues with the first unfinished region; ranks of 
 take disjoint regions, and a second writer of a rank already running is refused (its lock file).
 """
 import concurrent.futures
+import hashlib
+import os
 import functools
 
 import jax
@@ -148,3 +150,22 @@ def _write_regions(store, data_store, todo, model, *, k, batch_size, chunk_size,
 def _pad_rows(x, rows):
   # Every call gets `rows` rows, so the step compiles once; the padding rows' outputs are dropped.
   return np.pad(x, [(0, rows - len(x))] + [(0, 0)] * (x.ndim - 1))
+
+
+def weights_hash(root: str) -> str:
+  """Identity of a teacher's weights without reading them, for the cache's `teacher_hash`:
+  config.json plus every weight file's name, size and header (safetensors), or every file of
+  the final checkpoint (a teacher trained here) under `root`."""
+  digest = hashlib.sha256()
+  for folder, dirs, files in sorted(os.walk(root)):
+    dirs.sort()
+    for name in sorted(files):
+      path = os.path.join(folder, name)
+      digest.update(f"{os.path.relpath(path, root)}:{os.path.getsize(path)}".encode())
+      if name == "config.json" or name.endswith(".safetensors"):
+        with open(path, "rb") as f:
+          head = f.read(8)
+          # config.json whole; a safetensors file's JSON header (names, shapes, offsets)
+          size = int.from_bytes(head, "little") if name.endswith(".safetensors") else -1
+          digest.update(head + f.read(size))
+  return digest.hexdigest()

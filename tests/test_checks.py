@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from kdjax import checks, config, tokenizer
+from kdjax import checks, config, pipeline, tokenizer
 from kdjax.models import hf
 
 WORDS = [" ".join(f"w{i * j % 97}" for j in range(40)) for i in range(60)]
@@ -44,7 +44,7 @@ def run_config(world, tmp_path, **fields):
 
 def refused(c, error, *words):
   with pytest.raises(error) as info:
-    checks.check_inputs(c, os.path.join(c.workdir, "data", "tokenizer.json"))
+    checks.check_inputs(c, pipeline.Paths.from_config(c).tokenizer)
   for word in words:
     assert word in str(info.value), (word, str(info.value))
   assert not os.path.exists(c.workdir)  # nothing written
@@ -52,9 +52,9 @@ def refused(c, error, *words):
 
 
 def test_a_good_run_passes(world, tmp_path):
-  checks.check_inputs(run_config(world, tmp_path), str(tmp_path / "tokenizer.json"))
-  checks.check_inputs(run_config(world, tmp_path, **{"student.hf_path": str(world / "student")}),
-                      str(tmp_path / "tokenizer.json"))
+  for c in (run_config(world, tmp_path),
+            run_config(world, tmp_path, **{"student.hf_path": str(world / "student")})):
+    checks.check_inputs(c, pipeline.Paths.from_config(c).tokenizer)
 
 
 def test_workdir_or_cache_path_is_a_file(world, tmp_path):
