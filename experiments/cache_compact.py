@@ -1,6 +1,6 @@
 """Bytes per position and loss/gradient accuracy of top-k encodings, on a float32 teacher cache.
 
-    python experiments/cache_compact.py --cache runs/demo/cache/train --rows 256
+    python experiments/cache_compact.py --cache runs/demo/cache/train.zarr --rows 256
 
 Reads `--rows` rows of a float32 cache (real teacher outputs, e.g. the demo's), re-encodes the
 top-k arrays in each candidate encoding, writes them as sharded zarr v3 arrays exactly as a store

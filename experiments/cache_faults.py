@@ -51,12 +51,13 @@ ATTRIBUTES = {"vocab_size": V - 4, "k": K - 1, "layout": "float32", "logprob_sca
 
 
 class StandIn(nnx.Module):
-  """A teacher following the model contract: hidden = f(tokens, positions), lm_head [D, V]."""
+  """A teacher following the model contract: hidden = f(tokens, positions), lm_head [D, V], with
+  fixed weights (caches written by separate processes must agree); the cache tests use it too."""
 
-  def __init__(self):
+  def __init__(self, vocab: int = V, dim: int = D):
     rng = np.random.default_rng(0)
-    self.embed_VxD = nnx.Param(jnp.asarray(rng.normal(size=(V, D)), jnp.float32))
-    self.mix_DxD = nnx.Param(jnp.asarray(rng.normal(size=(D, D)) / 4, jnp.float32))
+    self.embed_VxD = nnx.Param(jnp.asarray(rng.normal(size=(vocab, dim)), jnp.float32))
+    self.mix_DxD = nnx.Param(jnp.asarray(rng.normal(size=(dim, dim)) / 4, jnp.float32))
 
   def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT, max_documents=None):
     del max_documents  # no attention

@@ -1,11 +1,14 @@
 """Shared by the demo A/B experiments: the demo's data, teacher and cache made once, then the
 student distilled per arm and seed (stages train + eval) and the held-out results tabled."""
 import argparse
+import contextlib
 import json
 import os
+import sys
 
-from configs import demo
-from kdjax import pipeline
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # kdjax, configs
+from configs import demo  # noqa: E402
+from kdjax import pipeline  # noqa: E402
 
 
 def parse_args(doc: str, out: str, add_arguments=lambda parser: None) -> argparse.Namespace:
@@ -30,9 +33,12 @@ def prepare(out: str):
   return prep
 
 
-def distil(prep, out: str, name: str, seed: int, edit=lambda c: None) -> dict:
+def distil(prep, out: str, name: str, seed: int, edit=lambda c: None,
+           train_only=contextlib.nullcontext) -> dict:
   """The demo student distilled in OUT/NAME from prep's cache (bf16 matmuls, as on a GPU), the
-  config changed by edit(c); returns its held-out evaluation."""
+  config changed by edit(c); returns its held-out evaluation. Stage train runs inside
+  `with train_only():` (an arm's change to the loss), stage eval outside it: evaluation reads the
+  loss's per-position terms, which every arm must measure alike."""
   c = demo.get_config()
   c.workdir = os.path.join(out, name)
   c.cache.path = os.path.join(prep.workdir, "cache")
@@ -45,7 +51,10 @@ def distil(prep, out: str, name: str, seed: int, edit=lambda c: None) -> dict:
   link = os.path.join(c.workdir, "data")
   if not os.path.exists(link):
     os.symlink(os.path.abspath(os.path.join(prep.workdir, "data")), link)
-  pipeline.run(c)
+  for stage, context in (("train", train_only), ("eval", contextlib.nullcontext)):
+    c.stages = (stage,)
+    with context():
+      pipeline.run(c)
   with open(os.path.join(c.workdir, "eval.json")) as f:
     return json.load(f)["student"]
 

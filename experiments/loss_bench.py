@@ -167,7 +167,7 @@ def run_liger(shape, tokens):
 
 
 def _apply_overrides():
-  """KDJAX_BENCH_SET="pallas.BLOCK=2048,xla.MAX_CHUNK=4096": module constants for A/B runs."""
+  """KDJAX_BENCH_SET="pallas_exact.BLOCK=2048,chunked.MAX_CHUNK=4096": module constants for A/B runs."""
   import importlib
   for item in filter(None, os.environ.get("KDJAX_BENCH_SET", "").split(",")):
     name, value = item.split("=")

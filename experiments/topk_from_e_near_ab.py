@@ -11,7 +11,7 @@ with bf16 matmuls at a fine-tuning learning rate, arms "exact" and "from_e" as i
 topk_from_e_ab.py, with the same init and data order per seed, for each objective ("tail" is the
 demo's; "sparse" leans hardest on the exact entries, a * q_k - p_k with a = M).
 
-    python -m experiments.topk_from_e_near_ab [--seeds 0,1] [--objectives tail,sparse]
+    python experiments/topk_from_e_near_ab.py [--seeds 0,1] [--objectives tail,sparse]
         [--noise 0.2] [--lr 1e-4] [--steps 100] [--prep runs/topk_from_e_ab]
         [--out runs/topk_from_e_near_ab]
 
@@ -26,16 +26,19 @@ from_e - exact per seed, and the spread between seeds.
 import functools
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments import demo_ab, topk_from_e_ab
-from kdjax import cache, evaluate, pipeline
-from kdjax.kernels import chunked
-from kdjax.models import hf
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # sibling scripts
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # kdjax, configs
+import demo_ab  # noqa: E402
+import topk_from_e_ab  # noqa: E402
+from kdjax import cache, evaluate, pipeline  # noqa: E402
+from kdjax.models import hf  # noqa: E402
 
 ARMS = ("exact", "from_e")
 METRICS = ("kl", "full_kl", "top1_agreement", "ce")
@@ -139,34 +142,30 @@ def main():
   kl_to_teacher = lambda model: full_kl(teacher, model, store, prep.eval.batch_size)
   floor = teacher_in_bf16(teacher, cfg, prep, store, args.out)
   configs = {}
-  exact = chunked.chunk_terms
   results, starts = {}, {}
-  try:
-    for objective in objectives:
-      for seed in args.seeds:
-        init = write_init(teacher, cfg, prep, os.path.join(args.out, f"init_seed{seed}"),
-                          args.noise, seed)
+  for objective in objectives:
+    for seed in args.seeds:
+      init = write_init(teacher, cfg, prep, os.path.join(args.out, f"init_seed{seed}"),
+                        args.noise, seed)
 
-        def edit(c, objective=objective, init=init):
-          configs[c.workdir] = c
-          c.student.update(hf_path=init, remat=False)
-          c.loss.update(impl="xla", objective=objective)
-          c.opt.update(lr=args.lr, steps=args.steps, warmup_steps=max(1, args.steps // 10),
-                       ckpt_every=args.steps)
+      def edit(c, objective=objective, init=init):
+        configs[c.workdir] = c
+        c.student.update(hf_path=init, remat=False)
+        c.loss.update(impl="xla", objective=objective)
+        c.opt.update(lr=args.lr, steps=args.steps, warmup_steps=max(1, args.steps // 10),
+                     ckpt_every=args.steps)
 
-        for arm in ARMS:
-          chunked.chunk_terms = exact if arm == "exact" else topk_from_e_ab.from_e(exact)
-          name = f"{objective}_{arm}_seed{seed}"
-          results[name] = demo_ab.distil(prep, args.out, name, seed, edit)
-          c = configs[os.path.join(args.out, name)]
-          student, _ = pipeline.stage_train(c, pipeline.Paths.from_config(c))  # restored
-          results[name]["full_kl"] = kl_to_teacher(student)
-          demo_ab.report(results, args.out)
-        with open(os.path.join(args.out, name, "eval.json")) as f:
-          starts[objective, seed] = json.load(f)["student_init"]
-        starts[objective, seed]["full_kl"] = kl_to_teacher(load_bf16(init))
-  finally:
-    chunked.chunk_terms = exact
+      for arm in ARMS:
+        name = f"{objective}_{arm}_seed{seed}"
+        results[name] = demo_ab.distil(prep, args.out, name, seed, edit,
+                                       train_only=lambda arm=arm: topk_from_e_ab.arm_terms(arm))
+        c = configs[os.path.join(args.out, name)]
+        student, _ = pipeline.stage_train(c, pipeline.Paths.from_config(c))  # restored
+        results[name]["full_kl"] = kl_to_teacher(student)
+        demo_ab.report(results, args.out)
+      with open(os.path.join(args.out, name, "eval.json")) as f:
+        starts[objective, seed] = json.load(f)["student_init"]
+      starts[objective, seed]["full_kl"] = kl_to_teacher(load_bf16(init))
   summary(results, starts, floor, objectives, args.seeds)
 
 

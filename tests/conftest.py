@@ -1,11 +1,193 @@
-"""Test settings shared by every test: CPU and strict rank promotion.
+"""Settings, seeds and helpers shared by every test module.
 
-float64 references are computed in numpy, so jax stays in its default 32-bit mode here, as in runs.
+CPU and strict rank promotion. float64 references are computed in numpy, so jax stays in its
+default 32-bit mode here, as in runs.
+
+Random inputs come from one session seed: $KDJAX_TEST_SEED, else drawn at random. pytest's header
+prints it (without -q), and a failing test that drew from it reports it with the command that
+replays it: `KDJAX_TEST_SEED=<n> pytest <test id>`. A test's own seed (fixtures `seed`, `rng`)
+hashes the session seed with the test's id; `module_rng` does so with the module's id, for
+module-scoped fixtures.
+
+Helpers of several test modules are fixtures, so no test module imports another: sequence stores
+and teacher caches here; the float64 loss reference and the Hugging Face side venv in the plugins
+tests/fixtures/loss_reference.py and hf_side.py.
+
+Letters: B batch, T positions, V vocabulary, D width, K top-k entries.
 """
+import hashlib
 import os
+import secrets
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from kdjax import cache, teacher  # noqa: E402
+from tests.fixtures.shared import shared  # noqa: E402
+
+# --- Seeds -------------------------------------------------------------------------------------
+
+SEED_ENV = "KDJAX_TEST_SEED"
+SESSION_SEED = pytest.StashKey[int]()
+
+
+def pytest_configure(config):
+  value = os.environ.get(SEED_ENV) or str(secrets.randbits(32))
+  try:
+    seed = int(value)
+  except ValueError:
+    raise pytest.UsageError(f"{SEED_ENV}={value!r}: give an integer (or unset it)") from None
+  # xdist workers (started after this) and test subprocesses inherit it: one seed per session.
+  os.environ[SEED_ENV] = str(seed)
+  config.stash[SESSION_SEED] = seed
+
+
+def pytest_report_header(config):
+  return f"{SEED_ENV}={config.stash[SESSION_SEED]} (random inputs derive from it; set it to replay)"
+
+
+def derive_seed(session_seed: int, nodeid: str) -> int:
+  """A 32-bit seed from the session seed and a test's (or module's) id, alike in every process."""
+  digest = hashlib.sha256(f"{session_seed}:{nodeid}".encode()).digest()
+  return int.from_bytes(digest[:4], "little")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+  report = yield
+  if report.failed and "session_seed" in getattr(item, "fixturenames", ()):
+    seed = item.config.stash[SESSION_SEED]
+    own = f"; its seed {derive_seed(seed, item.nodeid)}" if "seed" in item.fixturenames else ""
+    text = (f"session seed {seed}{own}; to replay, from the repository root:\n"
+            f"  {SEED_ENV}={seed} pytest '{item.nodeid}'")
+    report.sections.append(("random inputs", text))
+  return report
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  """The seed once more at the end, for -q runs (no header) with failures that drew from it."""
+  reports = terminalreporter.stats.get("failed", []) + terminalreporter.stats.get("error", [])
+  if any(name == "random inputs" for report in reports for name, _ in report.sections):
+    seed = config.stash[SESSION_SEED]
+    terminalreporter.write_line(f"{SEED_ENV}={seed} replays the random inputs of these failures")
+
+
+@pytest.fixture(scope="session")
+def session_seed(pytestconfig) -> int:
+  return pytestconfig.stash[SESSION_SEED]
+
+
+@pytest.fixture
+def seed(request, session_seed) -> int:
+  return derive_seed(session_seed, request.node.nodeid)
+
+
+@pytest.fixture
+def rng(seed) -> np.random.Generator:
+  return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="module")
+def module_rng(request, session_seed) -> np.random.Generator:
+  return np.random.default_rng(derive_seed(session_seed, request.node.nodeid))
+
+
+# --- Helpers of several test modules ------------------------------------------------------------
+
+pytest_plugins = ["tests.fixtures.loss_reference", "tests.fixtures.hf_side"]
+
+
+# --- Sequence stores (the cache tests) ----------------------------------------------------------
+
+STORE_V, STORE_T, STORE_K = 300, 8, 5
+
+
+def make_rows(rng, n, seq_len=STORE_T, k=STORE_K, vocab=STORE_V):
+  """Valid rows: top-k log-probs sorted descending, like lax.top_k output."""
+  rows = {"tokens": rng.integers(0, vocab, (n, seq_len), dtype=np.int32),
+          "segment_ids": np.ones((n, seq_len), np.int32),
+          "positions": np.tile(np.arange(seq_len, dtype=np.int32), (n, 1)),
+          "loss_mask": rng.random((n, seq_len)) < 0.9}
+  if k:
+    rows["topk_ids"] = rng.integers(0, vocab, (n, seq_len, k), dtype=np.int32)
+    rows["topk_logprobs"] = -np.sort(rng.exponential(3.0, (n, seq_len, k)), -1).astype(np.float32)
+  return rows
+
+
+def new_store(path, num_seqs=10, k=STORE_K, layout_name="float32", attrs=None, region_rows=4):
+  return cache.create(path, num_seqs=num_seqs, seq_len=STORE_T, k=k, vocab_size=STORE_V,
+                      attrs=attrs or {"teacher_hash": "t1", "tokenizer_hash": "tok1"},
+                      layout=layout_name, region_rows=region_rows)
+
+
+def take(rows, index):
+  return {name: arr[index] for name, arr in rows.items()}
+
+
+make_rows_fixture = shared("make_rows", make_rows)
+new_store_fixture = shared("new_store", new_store)
+take_fixture = shared("take", take)
+
+
+@pytest.fixture
+def store_and_rows(tmp_path):
+  """A finished compact store of 10 rows in 3 regions, and its rows."""
+  rows = make_rows(np.random.default_rng(0), 10)
+  new_store(tmp_path / "s", layout_name="compact").write(0, rows)
+  return cache.open(tmp_path / "s"), rows
+
+
+# --- Teacher caches (the teacher and cache fault tests) -----------------------------------------
+
+TEACHER_V, TEACHER_T, TEACHER_D, TEACHER_K = 61, 12, 16, 7
+
+
+def make_data(path, num_seqs=10, region_rows=3, seed=0):
+  rng = np.random.default_rng(seed)
+  store = cache.create(path, num_seqs=num_seqs, seq_len=TEACHER_T, k=0, vocab_size=TEACHER_V,
+                       attrs={"tokenizer_hash": "tok", "source": "test"}, region_rows=region_rows)
+  segment_ids = np.ones((num_seqs, TEACHER_T), np.int32)
+  segment_ids[0, TEACHER_T - 3:] = 0  # padding tail
+  store.write(0, {"tokens": rng.integers(0, TEACHER_V, (num_seqs, TEACHER_T), dtype=np.int32),
+                  "segment_ids": segment_ids,
+                  "positions": np.tile(np.arange(TEACHER_T, dtype=np.int32), (num_seqs, 1)),
+                  "loss_mask": segment_ids > 0})
+  return cache.open(path)
+
+
+def write(model, data, path, **kw):
+  kw = {"k": TEACHER_K, "batch_size": 4, "chunk_size": 5, "vocab_size": TEACHER_V,
+        "attrs": {"teacher_hash": "tiny"}, **kw}
+  return teacher.write_cache(model, data, path, **kw)
+
+
+def store_files(path):
+  """{relative path: bytes} of everything but the root metadata (its creation time differs)."""
+  out = {}
+  for root, _, names in os.walk(path):
+    for name in names:
+      full = os.path.join(root, name)
+      rel = os.path.relpath(full, path)
+      if rel != "zarr.json":
+        with open(full, "rb") as f:
+          out[rel] = f.read()
+  return out
+
+
+def TinyTeacher():
+  """A two-matrix stand-in following the model contract, with fixed weights: a process starts in
+  seconds, and the cache logic does not depend on the model (test_teacher.py tests the real one)."""
+  from experiments.cache_faults import StandIn
+  return StandIn(TEACHER_V, TEACHER_D)
+
+
+make_data_fixture = shared("make_data", make_data)
+write_fixture = shared("write", write)
+store_files_fixture = shared("store_files", store_files)
+tiny_teacher_fixture = shared("tiny_teacher", TinyTeacher)

@@ -6,33 +6,11 @@ import tensorstore as ts
 from kdjax import cache
 from kdjax.cache import layout
 
-V, T, K = 300, 8, 5
-
-
-def make_rows(rng, n, seq_len=T, k=K, vocab=V):
-  """Valid rows: top-k log-probs sorted descending, like lax.top_k output."""
-  rows = {"tokens": rng.integers(0, vocab, (n, seq_len), dtype=np.int32),
-          "segment_ids": np.ones((n, seq_len), np.int32),
-          "positions": np.tile(np.arange(seq_len, dtype=np.int32), (n, 1)),
-          "loss_mask": rng.random((n, seq_len)) < 0.9}
-  if k:
-    rows["topk_ids"] = rng.integers(0, vocab, (n, seq_len, k), dtype=np.int32)
-    rows["topk_logprobs"] = -np.sort(rng.exponential(3.0, (n, seq_len, k)), -1).astype(np.float32)
-  return rows
-
-
-def new_store(path, num_seqs=10, k=K, layout_name="float32", attrs=None, region_rows=4):
-  return cache.create(path, num_seqs=num_seqs, seq_len=T, k=k, vocab_size=V,
-                      attrs=attrs or {"teacher_hash": "t1", "tokenizer_hash": "tok1"},
-                      layout=layout_name, region_rows=region_rows)
-
-
-def take(rows, index):
-  return {name: arr[index] for name, arr in rows.items()}
+V, T, K = 300, 8, 5  # conftest's make_rows and new_store: vocabulary, positions, top-k
 
 
 @pytest.mark.parametrize("k", [0, K])
-def test_float32_round_trip_is_exact(tmp_path, k):
+def test_float32_round_trip_is_exact(tmp_path, k, make_rows, new_store, take):
   rows = make_rows(np.random.default_rng(0), 10, k=k)
   store = new_store(tmp_path / "s", k=k)
   assert store.missing() == [(0, 4), (4, 8), (8, 10)]
@@ -46,7 +24,7 @@ def test_float32_round_trip_is_exact(tmp_path, k):
   assert got["tokens"].dtype == np.int32
 
 
-def test_compact_round_trip_within_half_a_step(tmp_path):
+def test_compact_round_trip_within_half_a_step(tmp_path, make_rows, new_store):
   rows = make_rows(np.random.default_rng(1), 10)
   store = new_store(tmp_path / "s", layout_name="compact")
   store.write(0, rows)
@@ -57,7 +35,7 @@ def test_compact_round_trip_within_half_a_step(tmp_path):
   assert err <= layout.LOGPROB_SCALE / 2 + 1e-5
 
 
-def test_unaligned_writes_complete_regions(tmp_path):
+def test_unaligned_writes_complete_regions(tmp_path, make_rows, new_store, take):
   rows = make_rows(np.random.default_rng(2), 10)
   store = new_store(tmp_path / "s")
   store.write(0, take(rows, slice(0, 3)))
@@ -70,7 +48,7 @@ def test_unaligned_writes_complete_regions(tmp_path):
                                 rows["topk_ids"])
 
 
-def test_missing_splits_regions_by_rank(tmp_path):
+def test_missing_splits_regions_by_rank(tmp_path, new_store):
   store = new_store(tmp_path / "s", num_seqs=23, region_rows=2)
   parts = [store.missing(rank, 3) for rank in range(3)]
   flat = sorted(r for part in parts for r in part)
@@ -78,7 +56,7 @@ def test_missing_splits_regions_by_rank(tmp_path):
   assert not set(parts[0]) & set(parts[1])
 
 
-def test_incomplete_store_is_refused(tmp_path):
+def test_incomplete_store_is_refused(tmp_path, make_rows, new_store, take):
   rows = make_rows(np.random.default_rng(3), 10)
   store = new_store(tmp_path / "s")
   store.write(4, take(rows, slice(4, 8)))
@@ -88,7 +66,7 @@ def test_incomplete_store_is_refused(tmp_path):
   assert partial.missing() == [(0, 4), (8, 10)]
 
 
-def test_resume_with_another_spec_is_refused(tmp_path):
+def test_resume_with_another_spec_is_refused(tmp_path, new_store):
   new_store(tmp_path / "s")
   new_store(tmp_path / "s")  # same spec: resumes
   with pytest.raises(cache.CacheError, match="different spec"):
@@ -100,7 +78,7 @@ def test_resume_with_another_spec_is_refused(tmp_path):
 @pytest.mark.parametrize("expect, match", [
     ({"vocab_size": V + 1}, "vocab_size"), ({"k": K + 1}, "k="), ({"seq_len": T * 2}, "seq_len"),
     ({"tokenizer_hash": "other"}, "tokenizer_hash")])
-def test_open_checks_what_the_caller_expects(tmp_path, expect, match):
+def test_open_checks_what_the_caller_expects(tmp_path, expect, match, make_rows, new_store):
   new_store(tmp_path / "s").write(0, make_rows(np.random.default_rng(4), 10))
   with pytest.raises(cache.CacheError, match=match):
     cache.open(tmp_path / "s", **expect)
@@ -110,7 +88,7 @@ def test_open_checks_what_the_caller_expects(tmp_path, expect, match):
     ("topk_logprobs", np.nan, "NaN"), ("topk_logprobs", np.inf, "NaN"),
     ("topk_logprobs", 0.5, "<= 0"), ("topk_ids", V, r"\[0, 300\)"), ("topk_ids", -1, r"\[0, 300\)"),
     ("tokens", V, r"\[0, 300\)")])
-def test_bad_values_are_refused_at_write(tmp_path, name, value, match):
+def test_bad_values_are_refused_at_write(tmp_path, name, value, match, make_rows, new_store):
   rows = make_rows(np.random.default_rng(5), 4)
   rows[name] = rows[name].astype(np.float32 if name == "topk_logprobs" else np.int64)
   rows[name][2, 3, ...] = value
@@ -120,7 +98,7 @@ def test_bad_values_are_refused_at_write(tmp_path, name, value, match):
   assert store.missing()[0] == (0, 4)
 
 
-def test_nan_on_disk_is_refused_at_read(tmp_path):
+def test_nan_on_disk_is_refused_at_read(tmp_path, make_rows, new_store):
   new_store(tmp_path / "s").write(0, make_rows(np.random.default_rng(6), 10))
   arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file",
                                                 "path": str(tmp_path / "s" / "topk_logprobs")}}).result()
@@ -131,7 +109,7 @@ def test_nan_on_disk_is_refused_at_read(tmp_path):
     store.read([4, 5])
 
 
-def test_loader_order_is_a_seeded_permutation_per_epoch(tmp_path):
+def test_loader_order_is_a_seeded_permutation_per_epoch(tmp_path, make_rows, new_store):
   rows = make_rows(np.random.default_rng(7), 10)
   new_store(tmp_path / "s").write(0, rows)
   store = cache.open(tmp_path / "s")
@@ -149,7 +127,7 @@ def test_loader_order_is_a_seeded_permutation_per_epoch(tmp_path):
   loader.close(), again.close(), other.close()
 
 
-def test_loader_restore_continues_exactly(tmp_path):
+def test_loader_restore_continues_exactly(tmp_path, make_rows, new_store):
   new_store(tmp_path / "s").write(0, make_rows(np.random.default_rng(8), 10))
   store = cache.open(tmp_path / "s")
   loader = cache.Loader(store, batch_size=4, seed=3)
@@ -168,7 +146,7 @@ def test_loader_restore_continues_exactly(tmp_path):
   loader.close(), resumed.close()
 
 
-def test_compact_clips_log_probs_below_its_range(tmp_path):
+def test_compact_clips_log_probs_below_its_range(tmp_path, make_rows, new_store):
   rows = make_rows(np.random.default_rng(9), 4)
   rows["topk_logprobs"][0, 0] = [-1.0, -2.0, -40.0, -100.0, -1000.0]
   new_store(tmp_path / "s", layout_name="compact").write(0, rows)
@@ -177,7 +155,8 @@ def test_compact_clips_log_probs_below_its_range(tmp_path):
   np.testing.assert_allclose(got, [-1.0, -2.0, floor, floor, floor], atol=layout.LOGPROB_SCALE)
 
 
-def test_overwriting_a_finished_region_unrecords_it_until_written(tmp_path, monkeypatch):
+def test_overwriting_a_finished_region_unrecords_it_until_written(tmp_path, monkeypatch, make_rows,
+                                                                   new_store):
   rows = make_rows(np.random.default_rng(10), 10)
   store = new_store(tmp_path / "s")
   store.write(0, rows)

@@ -16,10 +16,8 @@ import tensorstore as ts
 from kdjax import cache
 from kdjax.cache import __main__ as cli
 from kdjax.cache import attributes, failpoints
-from test_cache import V, make_rows, new_store, take
-from test_teacher import make_data, store_files, write
-from test_teacher_scale import TinyTeacher
 
+V = 300  # the vocabulary of conftest's make_rows and new_store
 # What tensorstore raised when a tmpfs filled up during a shard write.
 DISK_FULL = ('RESOURCE_EXHAUSTED: Error writing local file "{path}": Failed writing: '
              '"{path}.__lock": Failed to write 31578 bytes to file 3: No space left on device '
@@ -30,13 +28,6 @@ DISK_FULL = ('RESOURCE_EXHAUSTED: Error writing local file "{path}": Failed writ
 def no_armed_points():
   yield
   failpoints.disarm()
-
-
-@pytest.fixture
-def store_and_rows(tmp_path):
-  rows = make_rows(np.random.default_rng(0), 10)
-  new_store(tmp_path / "s", layout_name="compact").write(0, rows)
-  return cache.open(tmp_path / "s"), rows
 
 
 def edit_json(path, edit):
@@ -52,15 +43,21 @@ def set_attr(store_path, key, value):
             lambda obj: obj["attributes"].update({key: value}))
 
 
-def everything(path):
+@pytest.fixture
+def everything(store_files):
   """{relative path: bytes} of every file of a store, root metadata included."""
-  out = store_files(path)
-  with open(os.path.join(path, "zarr.json"), "rb") as f:
-    out["zarr.json"] = f.read()
-  return out
+
+  def files(path):
+    out = store_files(path)
+    with open(os.path.join(path, "zarr.json"), "rb") as f:
+      out["zarr.json"] = f.read()
+    return out
+
+  return files
 
 
-def test_verify_fix_leaves_a_store_with_edited_attributes_untouched(store_and_rows, capsys):
+def test_verify_fix_leaves_a_store_with_edited_attributes_untouched(store_and_rows, capsys,
+                                                                    new_store, everything):
   store, _ = store_and_rows
   set_attr(store.path, "vocab_size", 250)  # ids up to 299 would all fail the range check
   before = everything(store.path)
@@ -108,7 +105,7 @@ def test_a_store_without_the_checksum_opens_with_a_warning(store_and_rows, caplo
     cache.open(store.path)
 
 
-def test_verify_fix_keeps_regions_whose_files_are_as_written(store_and_rows, capsys):
+def test_verify_fix_keeps_regions_whose_files_are_as_written(store_and_rows, capsys, everything):
   store, _ = store_and_rows
 
   def drop_chunk_checksum(meta):  # the files now decode with the wrong codecs
@@ -142,7 +139,7 @@ def test_truncated_metadata_names_the_file(store_and_rows, capsys):
     cache.open(store.path)
 
 
-def test_a_file_where_the_store_should_be(tmp_path):
+def test_a_file_where_the_store_should_be(tmp_path, new_store):
   path = tmp_path / "a_file"
   path.write_text("not a folder")
   for store_path in (path, path / "train.zarr"):
@@ -153,18 +150,21 @@ def test_a_file_where_the_store_should_be(tmp_path):
   assert cli.main(["info", str(path)]) == 2
 
 
-def test_k_above_the_vocabulary_is_refused_before_anything_is_created(tmp_path):
+def test_k_above_the_vocabulary_is_refused_before_anything_is_created(tmp_path, new_store,
+                                                                      make_data, write,
+                                                                      tiny_teacher):
   data = make_data(tmp_path / "data")
   with pytest.raises(cache.CacheError, match=r"cache.k = 62 must lie in 1..61, the vocabulary"):
-    write(TinyTeacher(), data, tmp_path / "cache", k=62)
+    write(tiny_teacher(), data, tmp_path / "cache", k=62)
   with pytest.raises(cache.CacheError, match=r"k = 301 must lie in 0..vocab_size \(300\)"):
     new_store(tmp_path / "store", k=V + 1)
   assert not os.path.exists(tmp_path / "cache") and not os.path.exists(tmp_path / "store")
 
 
-def test_disk_full_is_a_cache_error_and_the_same_command_resumes(tmp_path):
+def test_disk_full_is_a_cache_error_and_the_same_command_resumes(tmp_path, make_data, store_files,
+                                                                 write, tiny_teacher):
   data = make_data(tmp_path / "data")
-  write(TinyTeacher(), data, tmp_path / "whole")
+  write(tiny_teacher(), data, tmp_path / "whole")
 
   def full():
     raise ValueError(DISK_FULL.format(path=tmp_path / "cache" / "topk_ids" / "c" / "2" / "0" / "0"))
@@ -172,13 +172,13 @@ def test_disk_full_is_a_cache_error_and_the_same_command_resumes(tmp_path):
   failpoints.arm("data", full, count=3)  # the shard write of the third region
   with pytest.raises(cache.CacheError, match=rf"{tmp_path / 'cache'}: no space left.*Free space"
                                              rf".*re-run the same command: it resumes"):
-    write(TinyTeacher(), data, tmp_path / "cache")
+    write(tiny_teacher(), data, tmp_path / "cache")
   assert cache.open(tmp_path / "cache", allow_partial=True).missing_regions() == [2, 3]
-  write(TinyTeacher(), data, tmp_path / "cache")
+  write(tiny_teacher(), data, tmp_path / "cache")
   assert store_files(tmp_path / "cache") == store_files(tmp_path / "whole")
 
 
-def test_disk_full_while_recording_records_nothing(tmp_path):
+def test_disk_full_while_recording_records_nothing(tmp_path, make_rows, new_store):
   store = new_store(tmp_path / "s")
 
   def full():
@@ -190,7 +190,7 @@ def test_disk_full_while_recording_records_nothing(tmp_path):
   assert store.missing()[0] == (0, 4)
 
 
-def test_verify_fails_on_an_incomplete_store(tmp_path, capsys):
+def test_verify_fails_on_an_incomplete_store(tmp_path, capsys, make_rows, new_store, take):
   rows = make_rows(np.random.default_rng(2), 10)
   store = new_store(tmp_path / "s")
   store.write(4, take(rows, slice(4, 8)))
@@ -202,7 +202,7 @@ def test_verify_fails_on_an_incomplete_store(tmp_path, capsys):
     cache.open(store.path)
 
 
-def test_bad_values_name_the_store_row(tmp_path):
+def test_bad_values_name_the_store_row(tmp_path, make_rows, new_store, take):
   rows = make_rows(np.random.default_rng(3), 10)
   new_store(tmp_path / "s").write(0, rows)
   path = str(tmp_path / "s" / "topk_logprobs")
@@ -219,7 +219,8 @@ def test_bad_values_name_the_store_row(tmp_path):
     store.write(4, bad)
 
 
-def test_a_second_writer_of_one_rank_is_refused(tmp_path):
+def test_a_second_writer_of_one_rank_is_refused(tmp_path, new_store, make_data, write,
+                                                tiny_teacher):
   data = make_data(tmp_path / "data", num_seqs=4, region_rows=2)
   store = new_store(tmp_path / "s")
   lock_path = os.path.join(store.path, "writer-rank0.lock")
@@ -235,16 +236,16 @@ def test_a_second_writer_of_one_rank_is_refused(tmp_path):
   with store.writer_lock(0):
     pass
   # The teacher takes the lock before any teacher work, after creating (or resuming) the cache.
-  write(TinyTeacher(), data, tmp_path / "cache", world=2)
+  write(tiny_teacher(), data, tmp_path / "cache", world=2)
   cached = cache.open(tmp_path / "cache", allow_partial=True)
   with cached.writer_lock(1):
     with pytest.raises(cache.CacheError, match=r"writer-rank1.lock is held.*another writer of "
                                                r"rank 1 is running"):
-      write(TinyTeacher(), data, tmp_path / "cache", rank=1, world=2)
+      write(tiny_teacher(), data, tmp_path / "cache", rank=1, world=2)
   assert cached.missing() == [(2, 4)]
 
 
-def test_shards_are_durable_before_their_record(tmp_path, monkeypatch):
+def test_shards_are_durable_before_their_record(tmp_path, monkeypatch, make_rows, new_store):
   store = new_store(tmp_path / "s")
   events = []
   real_fsync, real_replace = os.fsync, os.replace
@@ -261,7 +262,8 @@ def test_shards_are_durable_before_their_record(tmp_path, monkeypatch):
   assert ("fsync", os.path.join(store.path, "manifest")) in events[record:]
 
 
-def test_a_writer_stopped_between_data_and_record_leaves_the_region_missing(tmp_path):
+def test_a_writer_stopped_between_data_and_record_leaves_the_region_missing(tmp_path, make_rows,
+                                                                            new_store, take):
   rows = make_rows(np.random.default_rng(5), 10)
   store = new_store(tmp_path / "s")
 

@@ -7,14 +7,6 @@ import pytest
 from kdjax import cache
 from kdjax.cache import __main__ as cli
 from kdjax.cache import integrity
-from test_cache import make_rows, new_store, take
-
-
-@pytest.fixture
-def store_and_rows(tmp_path):
-  rows = make_rows(np.random.default_rng(0), 10)
-  new_store(tmp_path / "s", layout_name="compact").write(0, rows)
-  return cache.open(tmp_path / "s"), rows
 
 
 def flip_byte(path, offset):
@@ -26,7 +18,7 @@ def flip_byte(path, offset):
 
 
 @pytest.mark.parametrize("name", ["topk_logprobs", "topk_ids", "tokens", "loss_mask"])
-def test_flipped_byte_is_found_and_repaired(store_and_rows, capsys, name):
+def test_flipped_byte_is_found_and_repaired(store_and_rows, capsys, name, take):
   store, rows = store_and_rows
   shard = store.shard_path(name, 1)
   flip_byte(shard, 7)
@@ -68,7 +60,7 @@ def test_edited_manifest_record_is_found(store_and_rows):
   assert "checksum" in integrity.verify(store, decode=False)[0].what
 
 
-def test_info_prints_shape_completeness_and_bytes(tmp_path, capsys):
+def test_info_prints_shape_completeness_and_bytes(tmp_path, capsys, make_rows, new_store):
   store = new_store(tmp_path / "s")
   store.write(0, make_rows(np.random.default_rng(1), 4))
   assert cli.main(["info", store.path]) == 0

@@ -1,6 +1,6 @@
 """impl "pallas" on its fused path (kdjax.kernels.fused: the logits matmul with exp fused, the
-Mosaic GPU kernel run by its interpreter here) against the float64 computation of test_kernels,
-with the top-k and label logits read back from bf16 E as the path does; chunk sizing.
+Mosaic GPU kernel run by its interpreter here) against conftest's float64 computation (that of
+test_kernels), with the top-k and label logits read back from bf16 E as the path does; chunk sizing.
 """
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,6 @@ import pytest
 
 from kdjax import kernels
 from kdjax.kernels import chunked, fused, mgpu, objectives
-from test_kernels import TOL, _rng, assert_close, make_inputs, numpy_loss, run_loss
 
 
 def _spy_fused(monkeypatch):
@@ -23,26 +22,28 @@ def _spy_fused(monkeypatch):
 # N = 300 rows in 256-row chunks (the interpreter's kernel takes 128-row multiples).
 @pytest.mark.parametrize("objective,tau,ce_weight", [
     (objective, 1.0, 0.3) for objective in objectives.OBJECTIVES] + [("tail", 2.0, 0.0)])
-def test_pallas_fused_path_matches_float64(monkeypatch, objective, tau, ce_weight):
+def test_pallas_fused_path_matches_float64(monkeypatch, objective, tau, ce_weight, rng, make_inputs,
+                                           numpy_loss, run_loss, assert_close, tol):
   calls = _spy_fused(monkeypatch)
   inputs = make_inputs((2, 150), 64, 384, 100, jnp.bfloat16, with_labels=ce_weight > 0)
-  cotangent = float(_rng().uniform(0.5, 2.0))
+  cotangent = float(rng.uniform(0.5, 2.0))
   value, aux, (dh, dw) = run_loss(inputs, cotangent, objective=objective, temperature=tau,
                                   ce_weight=ce_weight, impl="pallas", chunk_size=256)
   assert calls == [False, True], calls  # traced once: the kernel, then the repeat's
   want = numpy_loss(inputs, objective, tau, ce_weight, readback=True)
-  tol = TOL[jnp.bfloat16]
-  assert_close("loss", value, want["loss"], tol["loss"])
-  assert_close("kl", aux["kl"], want["kl"], tol["loss"])
-  assert_close("ce", aux["ce"], want["ce"], tol["loss"])
-  assert_close("dhidden", dh, cotangent * want["dh"], tol["grad"])
-  assert_close("dlm_head", dw, cotangent * want["dw"], tol["grad"])
+  bf16_tol = tol[jnp.bfloat16]
+  assert_close("loss", value, want["loss"], bf16_tol["loss"])
+  assert_close("kl", aux["kl"], want["kl"], bf16_tol["loss"])
+  assert_close("ce", aux["ce"], want["ce"], bf16_tol["loss"])
+  assert_close("dhidden", dh, cotangent * want["dh"], bf16_tol["grad"])
+  assert_close("dlm_head", dw, cotangent * want["dw"], bf16_tol["grad"])
   # Against the exact definition: each read-back log q is within bf16's 2^-8 relative rounding.
   exact = numpy_loss(inputs, objective, tau, ce_weight)
   assert abs(float(value) - exact["loss"]) <= (2 * tau ** 2 + ce_weight) * 2 ** -8
 
 
-def test_pallas_fused_path_large_logits_and_few_rows():
+def test_pallas_fused_path_large_logits_and_few_rows(make_inputs, numpy_loss, run_loss,
+                                                     assert_close, tol):
   """Logits of several hundred: every row is repeated with a shift, and the top-k entries far
   below the row maximum (E underflows) get exact logits. 50 rows: padded to one 128-row chunk."""
   for rows, scale in (((2, 150), 40.0), ((50,), 1.0)):
@@ -50,14 +51,14 @@ def test_pallas_fused_path_large_logits_and_few_rows():
     inputs["hidden"] = (inputs["hidden"].astype(jnp.float32) * scale).astype(jnp.bfloat16)
     want = numpy_loss(inputs, "sparse", 1.0, 0.3, readback=True)
     value, _, (dh, dw) = run_loss(inputs, 1.0, objective="sparse", ce_weight=0.3, impl="pallas")
-    assert_close("loss", value, want["loss"], TOL[jnp.bfloat16]["loss"])
-    assert_close("dhidden", dh, want["dh"], TOL[jnp.bfloat16]["grad"])
-    assert_close("dlm_head", dw, want["dw"], TOL[jnp.bfloat16]["grad"])
+    assert_close("loss", value, want["loss"], tol[jnp.bfloat16]["loss"])
+    assert_close("dhidden", dh, want["dh"], tol[jnp.bfloat16]["grad"])
+    assert_close("dlm_head", dw, want["dw"], tol[jnp.bfloat16]["grad"])
     alone = jax.jit(lambda h, w: kernels.topk_kl_loss(
         h, w, inputs["topk_ids"], inputs["topk_logprobs"], inputs["mask"],
         labels=inputs["labels"], ce_weight=0.3, impl="pallas"))(inputs["hidden"],
                                                                  inputs["lm_head"])
-    assert_close("loss alone", alone, want["loss"], TOL[jnp.bfloat16]["loss"])
+    assert_close("loss alone", alone, want["loss"], tol[jnp.bfloat16]["loss"])
 
 
 def test_pallas_fused_chunk_sizes(monkeypatch):

@@ -1,7 +1,7 @@
 """A user's run end to end: a Hugging Face teacher, jsonl data, an HF-initialised student, export.
 
-The tiny random checkpoints come from transformers (side venv, see test_hf.py); the exported
-student is loaded back by transformers, whose logits must match kdjax's trained student.
+The tiny random checkpoints come from transformers (side venv, conftest's side_python); the
+exported student is loaded back by transformers, whose logits must match kdjax's trained student.
 """
 import json
 import os
@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from kdjax.models import hf
-from test_hf import ARCHS, assert_parity, packed_inputs, run_side, side_python  # noqa: F401
 
 pytestmark = pytest.mark.slow  # whole runs in subprocesses: not in the fast subset
 
@@ -27,12 +26,12 @@ def write_jsonl(path, rng, docs=60, tokens=280):
 
 
 @pytest.fixture(scope="module")
-def user_run(side_python, tmp_path_factory):  # noqa: F811
+def user_run(side_python, tmp_path_factory, module_rng, hf_archs, run_side):
   work = tmp_path_factory.mktemp("user")
-  jobs = {"make": [dict(ARCHS[n], dir=str(work / n), seed=i)
+  jobs = {"make": [dict(hf_archs[n], dir=str(work / n), seed=i)
                    for i, n in enumerate(("qwen3", "qwen3_student"))]}
   run_side(side_python, jobs, work)
-  write_jsonl(work / "train.jsonl", np.random.default_rng())
+  write_jsonl(work / "train.jsonl", module_rng)
   overrides = [
       f"--config.workdir={work}/run", f"--config.data.source={work}/train.jsonl",
       f"--config.data.tokenizer={work}/qwen3", f"--config.teacher.hf_path={work}/qwen3",
@@ -50,7 +49,8 @@ def user_run(side_python, tmp_path_factory):  # noqa: F811
   return work
 
 
-def test_exported_student_loads_in_transformers(side_python, user_run):  # noqa: F811
+def test_exported_student_loads_in_transformers(side_python, user_run, packed_inputs, run_side,
+                                                assert_parity):
   work = user_run
   export = work / "run" / "export"
   assert (export / "tokenizer.json").exists()

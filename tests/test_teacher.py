@@ -1,14 +1,12 @@
 """Teacher cache writing: top-k against a dense float64 reference, crash and resume, checks."""
-import os
-
 import numpy as np
 import pytest
 from flax import nnx
 
-from kdjax import cache, teacher
+from kdjax import cache
 from kdjax.models import llama
 
-V, T, D, K = 61, 12, 16, 7
+V, T, D, K = 61, 12, 16, 7  # V, T, K: conftest's make_data and write; D: make_teacher's width
 
 
 def make_teacher(vocab=V, seed=0):
@@ -21,39 +19,7 @@ def make_teacher(vocab=V, seed=0):
   return model
 
 
-def make_data(path, num_seqs=10, region_rows=3, seed=0):
-  rng = np.random.default_rng(seed)
-  store = cache.create(path, num_seqs=num_seqs, seq_len=T, k=0, vocab_size=V,
-                       attrs={"tokenizer_hash": "tok", "source": "test"}, region_rows=region_rows)
-  segment_ids = np.ones((num_seqs, T), np.int32)
-  segment_ids[0, T - 3:] = 0  # padding tail
-  store.write(0, {"tokens": rng.integers(0, V, (num_seqs, T), dtype=np.int32),
-                  "segment_ids": segment_ids,
-                  "positions": np.tile(np.arange(T, dtype=np.int32), (num_seqs, 1)),
-                  "loss_mask": segment_ids > 0})
-  return cache.open(path)
-
-
-def write(model, data, path, **kw):
-  kw = {"k": K, "batch_size": 4, "chunk_size": 5, "vocab_size": V,
-        "attrs": {"teacher_hash": "tiny"}, **kw}
-  return teacher.write_cache(model, data, path, **kw)
-
-
-def store_files(path):
-  """{relative path: bytes} of everything but the root metadata (its creation time differs)."""
-  out = {}
-  for root, _, names in os.walk(path):
-    for name in names:
-      full = os.path.join(root, name)
-      rel = os.path.relpath(full, path)
-      if rel != "zarr.json":
-        with open(full, "rb") as f:
-          out[rel] = f.read()
-  return out
-
-
-def test_topk_matches_dense_reference(tmp_path):
+def test_topk_matches_dense_reference(tmp_path, make_data, write):
   model = make_teacher()
   data = make_data(tmp_path / "data")
   write(model, data, tmp_path / "cache")
@@ -75,7 +41,8 @@ def test_topk_matches_dense_reference(tmp_path):
   assert got.attrs["teacher_hash"] == "tiny" and got.attrs["data"]["source"] == "test"
 
 
-def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path, monkeypatch):
+def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path, monkeypatch, make_data,
+                                                          store_files, write):
   model = make_teacher()
   data = make_data(tmp_path / "data")
   write(model, data, tmp_path / "whole")
@@ -99,13 +66,13 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path, monkeypatch)
   assert store_files(tmp_path / "resumed") == store_files(tmp_path / "whole")
 
 
-def test_lm_head_narrower_than_vocab_is_refused(tmp_path):
+def test_lm_head_narrower_than_vocab_is_refused(tmp_path, make_data, write):
   data = make_data(tmp_path / "data")
   with pytest.raises(cache.CacheError, match="fewer than the vocabulary"):
     write(make_teacher(V - 1), data, tmp_path / "cache")
 
 
-def test_resume_with_another_k_is_refused(tmp_path):
+def test_resume_with_another_k_is_refused(tmp_path, make_data, write):
   data = make_data(tmp_path / "data")
   write(make_teacher(), data, tmp_path / "cache")
   with pytest.raises(cache.CacheError, match="different spec"):

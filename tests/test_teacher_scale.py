@@ -13,14 +13,11 @@ import signal
 import subprocess
 import sys
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from kdjax import cache
 from kdjax.cache import failpoints
-from test_teacher import D, V, make_data, store_files, write
 
 pytestmark = pytest.mark.slow  # whole runs in subprocesses: not in the fast subset
 
@@ -29,25 +26,10 @@ REGIONS = ROWS // REGION_ROWS  # each hit once per region: write() takes whole r
 POINTS = ("batch", "data", "after_data", "after_record")  # every point: experiments/cache_faults.py
 
 
-class TinyTeacher(nnx.Module):
-
-  def __init__(self):
-    rng = np.random.default_rng(0)
-    self.embed_VxD = nnx.Param(jnp.asarray(rng.normal(size=(V, D)), jnp.float32))
-    self.mix_DxD = nnx.Param(jnp.asarray(rng.normal(size=(D, D)) / 4, jnp.float32))
-
-  def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT, max_documents=None):
-    del max_documents  # no attention
-    x_BxTxD = self.embed_VxD[...][tokens_BxT] + 0.1 * positions_BxT[..., None]
-    return 3.0 * jnp.tanh(x_BxTxD @ self.mix_DxD[...]) * (segment_ids_BxT > 0)[..., None]
-
-  def lm_head_DxV(self):
-    return self.embed_VxD[...].T
-
-
 def spawn(tmp_path, rank=0, world=1, failpoint=""):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.path.dirname(__file__),
-         failpoints.ENV: failpoint}
+  tests = os.path.dirname(os.path.abspath(__file__))  # conftest; the repository root: its imports
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "PYTHONPATH": os.pathsep.join([tests, os.path.dirname(tests)]), failpoints.ENV: failpoint}
   return subprocess.Popen(
       [sys.executable, __file__, str(tmp_path / "data"), str(tmp_path / "cache"), str(rank),
        str(world)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -55,11 +37,11 @@ def spawn(tmp_path, rank=0, world=1, failpoint=""):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, make_data, write, store_files, tiny_teacher):
   """The data store and the files of an uninterrupted single-writer cache."""
   path = tmp_path_factory.mktemp("reference")
   make_data(path / "data", num_seqs=ROWS, region_rows=REGION_ROWS)
-  write(TinyTeacher(), cache.open(path / "data"), path / "cache")
+  write(tiny_teacher(), cache.open(path / "data"), path / "cache")
   return path, store_files(path / "cache")
 
 
@@ -74,7 +56,8 @@ def is_complete(path):
 
 
 @pytest.mark.parametrize("point", POINTS)
-def test_kill_at_a_random_point_then_resume_gives_identical_bytes(reference, tmp_path, point):
+def test_kill_at_a_random_point_then_resume_gives_identical_bytes(reference, tmp_path, point,
+                                                                  store_files, write, tiny_teacher):
   ref_path, expected = reference
   os.symlink(ref_path / "data", tmp_path / "data")
   count = np.random.default_rng(POINTS.index(point)).integers(1, REGIONS + 1)
@@ -83,11 +66,11 @@ def test_kill_at_a_random_point_then_resume_gives_identical_bytes(reference, tmp
   assert proc.returncode == -signal.SIGKILL, (point, count, out, err)
   # Only a kill after the last region's record leaves a finished cache.
   assert is_complete(tmp_path / "cache") == (point == "after_record" and count == REGIONS)
-  write(TinyTeacher(), cache.open(tmp_path / "data"), str(tmp_path / "cache"))
+  write(tiny_teacher(), cache.open(tmp_path / "data"), str(tmp_path / "cache"))
   assert store_files(tmp_path / "cache") == expected, (point, count)
 
 
-def test_three_processes_write_what_one_writes(reference, tmp_path):
+def test_three_processes_write_what_one_writes(reference, tmp_path, store_files):
   ref_path, expected = reference
   os.symlink(ref_path / "data", tmp_path / "data")
   procs = [spawn(tmp_path, rank, 3) for rank in range(3)]
@@ -98,7 +81,7 @@ def test_three_processes_write_what_one_writes(reference, tmp_path):
   cache.open(tmp_path / "cache")
 
 
-def test_a_second_writer_of_a_running_rank_is_refused(reference, tmp_path):
+def test_a_second_writer_of_a_running_rank_is_refused(reference, tmp_path, store_files):
   ref_path, expected = reference
   os.symlink(ref_path / "data", tmp_path / "data")
   first = spawn(tmp_path, failpoint="locked:1:pause")
@@ -114,5 +97,7 @@ def test_a_second_writer_of_a_running_rank_is_refused(reference, tmp_path):
 
 
 if __name__ == "__main__":
+  # The child process is no pytest session: it takes conftest's helpers as a module.
+  from conftest import TinyTeacher, write
   data_path, cache_path, rank, world = sys.argv[1:]
   write(TinyTeacher(), cache.open(data_path), cache_path, rank=int(rank), world=int(world))

@@ -59,8 +59,8 @@ def params_of(model):
   return jax.tree.leaves(nnx.state(model))
 
 
-def test_distillation_loss_falls_and_logs(tmp_path):
-  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+def test_distillation_loss_falls_and_logs(tmp_path, rng):
+  store = make_cache(tmp_path / "c.zarr", rng)
   fit(tmp_path, store, opt=opt_group(steps=30, ckpt_every=30, lr=3e-2))
   rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
   assert [r["step"] for r in rows] == list(range(1, 31))
@@ -71,8 +71,8 @@ def test_distillation_loss_falls_and_logs(tmp_path):
   assert rows[-1]["entropy"] < rows[0]["entropy"]
 
 
-def test_hard_label_loss_is_cross_entropy(tmp_path):
-  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+def test_hard_label_loss_is_cross_entropy(tmp_path, rng):
+  store = make_cache(tmp_path / "c.zarr", rng)
   fit(tmp_path, store, opt=opt_group(steps=2), hard_labels=True)
   rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
   for r in rows:
@@ -80,8 +80,8 @@ def test_hard_label_loss_is_cross_entropy(tmp_path):
     np.testing.assert_allclose(r["kl"], r["ce"], rtol=1e-5)
 
 
-def test_crash_resumes_to_identical_parameters(tmp_path, monkeypatch):
-  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+def test_crash_resumes_to_identical_parameters(tmp_path, monkeypatch, rng):
+  store = make_cache(tmp_path / "c.zarr", rng)
   straight = params_of(fit(tmp_path, store, name="straight"))
 
   real_step, calls = train.train_step, []
@@ -102,8 +102,8 @@ def test_crash_resumes_to_identical_parameters(tmp_path, monkeypatch):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_finished_run_is_not_trained_again(tmp_path):
-  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+def test_finished_run_is_not_trained_again(tmp_path, rng):
+  store = make_cache(tmp_path / "c.zarr", rng)
   first = params_of(fit(tmp_path, store))
   lines = len(read_metrics(tmp_path / "run" / "metrics.jsonl"))
   again = params_of(fit(tmp_path, store))
@@ -112,15 +112,15 @@ def test_finished_run_is_not_trained_again(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_checkpoint_of_another_model_shape_is_refused(tmp_path):
-  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+def test_checkpoint_of_another_model_shape_is_refused(tmp_path, rng):
+  store = make_cache(tmp_path / "c.zarr", rng)
   fit(tmp_path, store, opt=opt_group(steps=2))
   with pytest.raises(ValueError, match="different model.*d_model"):
     fit(tmp_path, store, cfg=tiny_model_cfg(d_model=48), opt=opt_group(steps=4))
 
 
-def test_non_finite_loss_names_the_step(tmp_path):
-  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+def test_non_finite_loss_names_the_step(tmp_path, rng):
+  store = make_cache(tmp_path / "c.zarr", rng)
   cfg = tiny_model_cfg()
   model = llama.Transformer(cfg, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
@@ -131,10 +131,10 @@ def test_non_finite_loss_names_the_step(tmp_path):
               hard_labels=False, seed=0)
 
 
-def test_nan_after_a_checkpoint_keeps_that_checkpoint_and_writes_none(tmp_path, monkeypatch):
+def test_nan_after_a_checkpoint_keeps_that_checkpoint_and_writes_none(tmp_path, monkeypatch, rng):
   """A step that turns the state non-finite is caught before its checkpoint: the latest
   checkpoint stays the last finite one, and the error names it."""
-  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+  store = make_cache(tmp_path / "c.zarr", rng)
   real_step = train.train_step
   calls = {"n": 0}
 
@@ -151,10 +151,10 @@ def test_nan_after_a_checkpoint_keeps_that_checkpoint_and_writes_none(tmp_path, 
   assert checkpoints.Checkpoints(str(tmp_path / "run" / "ckpt"), tiny_model_cfg()).latest_step() == 2
 
 
-def test_metrics_are_exact_across_interruptions(tmp_path, monkeypatch):
+def test_metrics_are_exact_across_interruptions(tmp_path, monkeypatch, rng):
   """One line per logged step after an interruption and a resume: no step lost, none twice, a
   torn last line (kill -9 mid-write) dropped."""
-  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+  store = make_cache(tmp_path / "c.zarr", rng)
   real_batch = train.to_step_batch
   calls = {"n": 0}
 
@@ -179,9 +179,9 @@ def test_metrics_are_exact_across_interruptions(tmp_path, monkeypatch):
   assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_a_damaged_row_stops_training_after_saving(tmp_path, monkeypatch):
+def test_a_damaged_row_stops_training_after_saving(tmp_path, monkeypatch, rng):
   """A row that fails its checks when read stops the run, and the finished steps are saved."""
-  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+  store = make_cache(tmp_path / "c.zarr", rng)
   real_next = cache.Loader.__next__
   calls = {"n": 0}
 
@@ -198,8 +198,8 @@ def test_a_damaged_row_stops_training_after_saving(tmp_path, monkeypatch):
   assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
 
 
-def test_restore_finished_reads_the_parameters_only(tmp_path):
-  store = make_cache(tmp_path / "c.zarr", np.random.default_rng())
+def test_restore_finished_reads_the_parameters_only(tmp_path, rng):
+  store = make_cache(tmp_path / "c.zarr", rng)
   trained = params_of(fit(tmp_path, store, opt=opt_group(steps=4)))
   workdir = str(tmp_path / "run")
   assert checkpoints.restore_finished(workdir, tiny_model_cfg(), steps=5) is None  # not finished
@@ -223,13 +223,12 @@ def test_to_step_batch_shapes_and_one_hot_teacher():
   assert dataclasses.is_dataclass(train.LossSettings.from_config(config.base().loss, True))
 
 
-def test_fused_loss_impl_in_the_train_step():
+def test_fused_loss_impl_in_the_train_step(rng):
   """impl "pallas" (on CPU its Mosaic GPU kernel runs in the interpreter) inside the training
   loss, bf16 compute with float32 parameters: same loss and parameter gradients as impl "xla"."""
   vocab, seq = 128, 64  # the fused kernel tiles: vocab % 128, d_model % 64, rows % 128
   cfg = tiny_model_cfg(vocab_size=vocab, d_model=64, dtype="bfloat16")
   graphdef, params = nnx.split(llama.Transformer(cfg, rngs=nnx.Rngs(0)))
-  rng = np.random.default_rng()
   tokens = rng.integers(0, vocab, (2, seq)).astype(np.int32)
   logits = rng.normal(size=(2, seq, vocab)) * 3.0
   logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
@@ -254,13 +253,12 @@ def test_fused_loss_impl_in_the_train_step():
   assert np.linalg.norm(flat_p - flat_x) <= 2e-2 * np.linalg.norm(flat_x)
 
 
-def test_step_metrics_are_masked_means_of_the_dense_terms():
+def test_step_metrics_are_masked_means_of_the_dense_terms(rng):
   """top1 and entropy in the step's metrics: the masked means of the student's argmax agreeing
   with the teacher's top-1 id and of its softmax entropy, from dense float64 logits."""
   cfg = tiny_model_cfg()
   model = llama.Transformer(cfg, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model)
-  rng = np.random.default_rng()
   tokens = rng.integers(0, V, (3, T)).astype(np.int32)
   ids = np.stack([rng.permutation(V)[:K] for _ in range(3 * T)]).reshape(3, T, K).astype(np.int32)
   mask = rng.random((3, T)) < 0.7
@@ -312,10 +310,10 @@ def step_rows(rng, rows):
           "topk_logprobs": np.take_along_axis(logp, ids, -1).astype(np.float32)}
 
 
-def test_accumulation_matches_one_big_batch():
+def test_accumulation_matches_one_big_batch(rng):
   """4 rows as 1 x 4, 2 x 2 and 4 x 1 micro-batches (equal valid positions per row, so the mean
   of means is the mean): the same loss, gradient norm and updated parameters to float32."""
-  rows = step_rows(np.random.default_rng(), 4)
+  rows = step_rows(rng, 4)
   results = [one_update({"batch_size": 4 // a, "accum_steps": a},
                         train.to_step_batch(rows, a, hard_labels=False)) for a in (1, 2, 4)]
   (state_1, metrics_1), others = results[0], results[1:]
@@ -328,10 +326,10 @@ def test_accumulation_matches_one_big_batch():
 
 @pytest.mark.parametrize("lever", [{"accum_dtype": "bfloat16"}, {"state_dtype": "bfloat16"},
                                    {"state_memory": "host"}])
-def test_memory_levers_keep_the_update(lever):
+def test_memory_levers_keep_the_update(lever, rng):
   """Each memory lever gives the float32 update to bf16 rounding (host memory: exactly), and
   keeps its state where and in the dtype it says."""
-  rows = step_rows(np.random.default_rng(), 4)
+  rows = step_rows(rng, 4)
   batch = train.to_step_batch(rows, 2, hard_labels=False)
   base_state, base_metrics = one_update({"batch_size": 2}, batch)
   state, metrics = one_update({"batch_size": 2, **lever}, batch)

@@ -1,0 +1,74 @@
+"""Every script in experiments/ starts as experiments/README.md runs it, `python
+experiments/NAME.py` from the repository root: `--help` exits 0, so its imports resolve (a renamed
+kdjax module fails here). The cheap ones also run on a CPU; e2e_bench.py and paper_table.py runs
+are in test_e2e_bench.py.
+"""
+import glob
+import json
+import os
+import py_compile
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = sorted(os.path.splitext(os.path.basename(path))[0]
+                 for path in glob.glob(os.path.join(ROOT, "experiments", "*.py")))
+# Scripts without --help, and why; their work sits under `if __name__ == "__main__"`, so an
+# import runs none of it.
+IMPORT_ONLY = {
+    "demo_ab": "the A/B studies' shared module: no entry point",
+    "mgpu_probe": "positional M K V, no flags: --help would run the full-size probe",
+}
+COMPILE_ONLY = {"hf_reference": "imports torch and transformers: it runs in .venv-hf (test_hf)"}
+WITH_HELP = [name for name in SCRIPTS if name not in IMPORT_ONLY and name not in COMPILE_ONLY]
+
+
+def run(args, timeout=120):
+  """python ARGS from the repository root on the CPU; the finished process."""
+  return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_every_exception_names_a_script():
+  assert set(IMPORT_ONLY) | set(COMPILE_ONLY) <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("name", WITH_HELP)
+def test_help(name):
+  proc = run([f"experiments/{name}.py", "--help"])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.startswith("usage:"), proc.stdout[:500]
+
+
+@pytest.mark.parametrize("name", sorted(IMPORT_ONLY))
+def test_imports(name):
+  proc = run(["-c", f"import experiments.{name}"])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", sorted(COMPILE_ONLY))
+def test_compiles(name, tmp_path):
+  py_compile.compile(os.path.join(ROOT, "experiments", f"{name}.py"),
+                     cfile=str(tmp_path / f"{name}.pyc"), doraise=True)
+
+
+def test_cache_read_bench_tiny(tmp_path):
+  proc = run(["experiments/cache_read_bench.py", "--dir", str(tmp_path), "--rows", "8",
+              "--seq-len", "64", "--k", "4", "--vocab", "100", "--batch-size", "2",
+              "--batches", "2"])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "tokens/s" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow  # about 50 s: five kdjax.main processes
+def test_pipeline_bench_smoke(tmp_path):
+  """The documented CPU check: every stage on the smoke config, a 2048-entry tokenizer."""
+  out = tmp_path / "pipeline.jsonl"
+  proc = run(["experiments/pipeline_bench.py", "--config", "configs/8k.py:smoke", "--small",
+              "--work", str(tmp_path / "work"), "--out", str(out)], timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(out.read_text().splitlines()[-1])
+  assert list(result["stages"]) == ["data", "cache", "train", "eval", "export"]
+  assert result["eval"]["student"]["positions"] > 0
