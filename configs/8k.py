@@ -5,7 +5,7 @@
 
 Needs: one H200 (141 GB), a Llama-3.1-8B-class Hugging Face checkpoint on disk and a jsonl/parquet
 dataset. Writes the teacher's top-100 cache once (compact layout), then trains with the fused loss.
-Prints one line per optimizer step (loss, kl, ce, tokens/s, learning rate).
+Logs one line per optimizer step (README, "Running": what each field means).
 CPU variant for tests: --config=configs/8k.py:smoke
 """
 import os

@@ -59,6 +59,10 @@ def opt_group(**overrides) -> ml_collections.ConfigDict:
   g.peak_tflops = 0.0
   g.keep_checkpoints = 2  # latest checkpoints kept on disk (older ones deleted)
   g.ckpt_every = 100  # steps between orbax checkpoints (one is also written on exit)
+  # The batch reader (kdjax.cache.Loader): threads reading and decoding batches (0: min(4, CPU
+  # cores)), and batches read ahead of the step
+  g.loader_workers = 0
+  g.loader_prefetch = 4
   g.update(overrides)
   return g
 
@@ -132,8 +136,11 @@ def _check_model(name: str, g):
 
 def _check_opt(name: str, g):
   # steps first: the other step counts are checked against it.
-  for f in ("steps", "batch_size", "accum_steps", "log_every", "ckpt_every", "keep_checkpoints"):
+  for f in ("steps", "batch_size", "accum_steps", "log_every", "ckpt_every", "keep_checkpoints",
+            "loader_prefetch"):
     _require(g[f] >= 1, f"{name}.{f} must be >= 1, got {g[f]}")
+  _require(g.loader_workers >= 0,
+           f"{name}.loader_workers must be >= 0 (0: min(4, cores)), got {g.loader_workers}")
   _require(g.peak_tflops >= 0, f"{name}.peak_tflops must be >= 0 (0: from the GPU's name), got "
            f"{g.peak_tflops}")
   _require(g.lr > 0, f"{name}.lr must be > 0, got {g.lr}")

@@ -5,7 +5,10 @@ log q over the FULL vocabulary:
   kl              sum_topk p (log p - log q)     (the paper's sparse objective, >= M log M)
   top1_agreement  student argmax == teacher's top-1 id
   ce              -log q(true next token)
-All are means over valid positions. Logits never exist beyond one chunk of positions.
+All are means over valid positions. They are the per-position terms of the training loss itself
+(objective "sparse" at temperature 1, impl "xla": exact float32 logits, no gradients computed), so
+evaluation and training measure the same quantities one way. Logits never exist beyond one chunk
+of positions.
 """
 import functools
 
@@ -25,17 +28,15 @@ def _batch_sums(params, batch, *, graphdef, chunk_size, max_documents):
   model = nnx.merge(graphdef, params)
   hidden_BxTxD = model(batch["tokens"], batch["positions"], batch["segment_ids"], max_documents)
   lm_head_DxV = model.lm_head_DxV().astype(hidden_BxTxD.dtype)  # as in training
-  stats = kernels.position_stats(hidden_BxTxD, lm_head_DxV, batch["topk_ids"],
-                                 batch["labels"], chunk_size=chunk_size)
-  logq_BxTxK = stats["topk_logits"] - stats["lse"][..., None]
-  p_BxTxK = jnp.exp(batch["topk_logprobs"])
-  kl_BxT = jnp.sum(p_BxTxK * (batch["topk_logprobs"] - logq_BxTxK), axis=-1)
-  agree_BxT = stats["argmax"] == batch["topk_ids"][..., 0]
-  ce_BxT = stats["lse"] - stats["label_logit"]
   mask_BxT = batch["loss_mask"]
+  _, aux = kernels.topk_kl_loss(
+      hidden_BxTxD, lm_head_DxV, batch["topk_ids"], batch["topk_logprobs"], mask_BxT,
+      objective="sparse", labels=batch["labels"], impl="xla", chunk_size=chunk_size,
+      return_aux=True, per_position=True)
+  terms = aux["positions"]
   total = lambda x: jnp.sum(jnp.where(mask_BxT, x, 0.0))
-  return {"kl": total(kl_BxT), "top1_agreement": total(agree_BxT.astype(jnp.float32)),
-          "ce": total(ce_BxT), "positions": jnp.sum(mask_BxT.astype(jnp.float32))}
+  return {"kl": total(terms["kl"]), "top1_agreement": total(terms["top1"].astype(jnp.float32)),
+          "ce": total(terms["ce"]), "positions": jnp.sum(mask_BxT.astype(jnp.float32))}
 
 
 def evaluate(model: nnx.Module, store, *, batch_size: int, max_seqs: int, chunk_size: int,

@@ -225,9 +225,13 @@ def print_report(results: dict):
             "student": "student, distilled", "baseline": "student, hard labels only"}
   for name, r in results.items():
     lines.append(f"{labels[name]:<28}{r['kl']:>15.4f}{r['top1_agreement']:>13.3f}{r['ce']:>11.4f}")
-  if "student" in results:
+  if "student" in results and results["student"]["positions"] == 0:
+    lines.append("the held-out rows hold no target positions (see data.loss_mask): nothing was "
+                 "measured; hold out more data (data.eval_every) or raise eval.max_seqs")
+  elif "student" in results:
     before, after = results["student_init"]["kl"], results["student"]["kl"]
-    lines.append(f"distillation cut the student's KL to the teacher {before / after:.1f}x "
+    ratio = f"{before / after:.1f}x " if after > 0 else ""
+    lines.append(f"distillation cut the student's KL to the teacher {ratio}"
                  f"({before:.3f} -> {after:.3f})")
   if "baseline" in results and "student" in results:
     d = results["baseline"]["ce"] - results["student"]["ce"]

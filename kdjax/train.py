@@ -74,7 +74,7 @@ def make_optimizer(g) -> tuple[optax.GradientTransformation, optax.Schedule]:
 def _stored_as(tx: optax.GradientTransformation, dtype: str) -> optax.GradientTransformation:
   """`tx` whose floating-point state is kept in `dtype` and updated in float32.
 
-  bfloat16 halves AdamW's 8 bytes per parameter; each step rounds m and v once (relative 2^-9),
+  bfloat16 halves AdamW's 8 bytes per parameter; each step rounds m and v once (relative 2^-8),
   so a moment whose step change is below that (b2 close to 1) stalls: keep b2 <= 0.99 with it.
   """
   if dtype == "float32":
@@ -113,8 +113,7 @@ def loss_fn(params, graphdef, batch, loss: LossSettings, max_documents: int):
   # The loss matmuls run in the compute dtype (bf16 at scale) with f32 accumulation; an f32
   # lm_head would make all three run in f32. Its gradient flows back to the f32 parameters.
   lm_head_DxV = model.lm_head_DxV().astype(hidden_BxTxD.dtype)
-  # The paper's algorithm has no per-position outputs.
-  per_position = loss.position_metrics and loss.impl != "paper"
+  per_position = loss.position_metrics and kernels.has_position_terms(loss.impl)
   value, aux = kernels.topk_kl_loss(
       hidden_BxTxD, lm_head_DxV, batch["topk_ids"], batch["topk_logprobs"],
       batch["loss_mask"], objective=loss.objective, temperature=loss.temperature,
@@ -136,8 +135,7 @@ def grad_step(params, grads_sum, batch_BxT, *, graphdef, loss: LossSettings, max
   """One micro-batch: its gradients added into the donated running sum, and its metrics.
 
   The sum is updated in place, so gradient accumulation holds one gradient buffer whatever the
-  number of micro-batches (at commit 9122ace one program scanned them and asked for 124 GiB at
-  32K with two micro-batches).
+  number of micro-batches (one program scanning them all grew with their number; BENCHMARKS.md).
   """
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   (value, metrics), grads = grad_fn(params, graphdef, batch_BxT, loss, max_documents)
@@ -247,7 +245,8 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
   loss = LossSettings.from_config(loss_cfg, hard_labels)
   graphdef, params = nnx.split(model)
   state, grads_sum = init_state(params, tx, opt)
-  loader = cache.Loader(store, opt.batch_size * opt.accum_steps, seed=seed, shuffle=True)
+  loader = cache.Loader(store, opt.batch_size * opt.accum_steps, seed=seed, shuffle=True,
+                        prefetch=opt.loader_prefetch, workers=opt.loader_workers or None)
   ckpt = Checkpoints(os.path.join(workdir, "ckpt"), model_cfg, keep=opt.keep_checkpoints)
   start = ckpt.latest_step() or 0
   metrics_path = os.path.join(workdir, "metrics.jsonl")

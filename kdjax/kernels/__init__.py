@@ -1,4 +1,5 @@
-"""Loss kernels: the fused top-k KL distillation loss on the lm_head and evaluation statistics.
+"""Loss kernels: the fused top-k KL distillation loss on the lm_head (its per-position terms also
+serve evaluation).
 
 Shape letters: B batch, T positions, N flattened positions, C chunk of positions, D model width,
 V vocabulary, K cached top-k entries.
@@ -9,6 +10,6 @@ impl "xla"'s XLA passes), fused + mgpu (impl "pallas": the logits matmul with ex
 GPU kernel), pallas_exact (impl "pallas_exact": Triton passes over the float32 logits), reference
 (impl "reference": dense jnp), paper (impl "paper": the paper's algorithm, a benchmark baseline).
 """
-from kdjax.kernels.loss import IMPLS, position_stats, topk_kl_loss
+from kdjax.kernels.loss import IMPLS, has_position_terms, topk_kl_loss
 
-__all__ = ["IMPLS", "position_stats", "topk_kl_loss"]
+__all__ = ["IMPLS", "has_position_terms", "topk_kl_loss"]

@@ -23,11 +23,11 @@ picks C to keep that overlap small. The same driver serves impls "pallas" (kerne
 
 Why no jax.checkpoint option: rematerialising instead (a checkpointed scan that recomputes each
 chunk's logits in the backward pass) would cost a fourth matmul per chunk and save nothing, since
-the forward's residuals here are dh and dW, which the step needs anyway; measured, the
-checkpointed scan took 388 ms / 9.8 GiB at D 4096, V 131072, 32K tokens (../shared/PAPER.md) and
-impl "paper" (recompute in backward, the paper's way) 1.73x this driver's time (BENCHMARKS.md).
+the forward's residuals here are dh and dW, which the step needs anyway (BENCHMARKS.md, loss
+head section, compares impl "paper", which recomputes in the backward pass the paper's way).
 
-Shape letters: N positions, C chunk, D model width, V vocabulary, K cached entries, E entries.
+Shape letters: N positions, C chunk, D model width, V vocabulary, K cached entries, J entries
+scattered per row (K, or K + 1 with the label).
 """
 import functools
 from typing import Callable
@@ -191,36 +191,36 @@ def position_terms(sum_C, extra, zk_CxK, logp_CxK):
   return dict(entropy=jnp.log(sum_C) - xex_C / sum_C, top1=z_top_C + slack >= top_C)
 
 
-def row_scale(coef_C, sum_C, vals_CxE):
+def row_scale(coef_C, sum_C, vals_CxJ):
   """r = coef / sum (see module doc), with coef kept away from 0 by COEF_FLOOR; 0 on rows whose
   coefficient and exact entries are all 0 (masked rows)."""
-  floor_C = COEF_FLOOR * jnp.max(jnp.abs(vals_CxE), axis=-1)
+  floor_C = COEF_FLOOR * jnp.max(jnp.abs(vals_CxJ), axis=-1)
   coef_C = jnp.where(jnp.abs(coef_C) < floor_C, jnp.where(coef_C < 0, -floor_C, floor_C), coef_C)
   return coef_C / sum_C
 
 
-def scatter_entries(dense_CxV, scale_C, ent_ids_CxE, ent_vals_CxE):
+def scatter_entries(dense_CxV, scale_C, ent_ids_CxJ, ent_vals_CxJ):
   """dL/dz / scale in dense's dtype: the dense part (already divided by scale) with the exact
   entries (objectives.sparse_entries) divided by scale and set over it."""
   safe_C = jnp.where(scale_C == 0, 1.0, scale_C)
-  ent_vals_CxE = jnp.where(scale_C[:, None] == 0, 0.0, ent_vals_CxE / safe_C[:, None])
-  rows_CxE = jnp.broadcast_to(jnp.arange(dense_CxV.shape[0])[:, None], ent_ids_CxE.shape)
-  return dense_CxV.at[rows_CxE, ent_ids_CxE].set(ent_vals_CxE.astype(dense_CxV.dtype))
+  ent_vals_CxJ = jnp.where(scale_C[:, None] == 0, 0.0, ent_vals_CxJ / safe_C[:, None])
+  rows_CxJ = jnp.broadcast_to(jnp.arange(dense_CxV.shape[0])[:, None], ent_ids_CxJ.shape)
+  return dense_CxV.at[rows_CxJ, ent_ids_CxJ].set(ent_vals_CxJ.astype(dense_CxV.dtype))
 
 
 def chunk_dlogits(logits_CxV, e_CxV, sums, gathered, terms, ids_CxK, labels_C, w_C, spec, dtype,
                   dense_grad):
   """(dL/dz / r in dtype, r [C]) for one chunk: dL/dz = r * the returned matrix, row by row."""
   a_C, b_C = terms["a"] * w_C, terms["b"] * w_C
-  ent_ids_CxE, ent_vals_CxE = objectives.sparse_entries(ids_CxK, labels_C, *gathered, terms, w_C,
+  ent_ids_CxJ, ent_vals_CxJ = objectives.sparse_entries(ids_CxK, labels_C, *gathered, terms, w_C,
                                                         spec)
   if e_CxV is None:  # two softmaxes: a second pass writes dL/dz itself
     _, _, lse_s_C, lse_z_C = gathered
     dense_CxV = dense_grad(logits_CxV, lse_s_C, lse_z_C, a_C, b_C, spec, dtype)
     scale_C = jnp.ones_like(a_C)
   else:
-    dense_CxV, scale_C = e_CxV, row_scale(a_C + b_C, sums[0], ent_vals_CxE)
-  return scatter_entries(dense_CxV, scale_C, ent_ids_CxE, ent_vals_CxE), scale_C
+    dense_CxV, scale_C = e_CxV, row_scale(a_C + b_C, sums[0], ent_vals_CxJ)
+  return scatter_entries(dense_CxV, scale_C, ent_ids_CxJ, ent_vals_CxJ), scale_C
 
 
 def accumulate_dw(dw_DxV, hidden_CxD, dz_CxV):
@@ -321,28 +321,3 @@ def build_fused_loss(project: Callable, dense_grad: Callable):
 
 
 topk_kl_loss = build_fused_loss(logits_project(xla_exp_pass), xla_dense_grad)
-
-
-def position_stats(hidden_NxD, lm_head_DxV, ids_NxK, labels_N, chunk):
-  """Chunked, gradient-free per-position logit statistics (see kdjax.kernels.position_stats)."""
-  num_rows, _ = hidden_NxD.shape
-  take = lambda x, start: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=0)
-  put = lambda x, y, start: jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=0)
-
-  def body(out, i):
-    # Overlapping rows of the last chunk are recomputed to identical values: plain overwrite.
-    start, _ = chunk_start(i, num_rows, chunk)
-    logits_CxV = jnp.einsum("cd,dv->cv", take(hidden_NxD, start), lm_head_DxV,
-                            preferred_element_type=jnp.float32)
-    zk_CxK, zl_C = gather_rows(logits_CxV, take(ids_NxK, start), take(labels_N, start))
-    new = dict(lse=jax.nn.logsumexp(logits_CxV, axis=-1),
-               argmax=jnp.argmax(logits_CxV, axis=-1).astype(jnp.int32),
-               label_logit=zl_C, topk_logits=zk_CxK)
-    return {k: put(out[k], new[k], start) for k in out}, None
-
-  out = dict(lse=jnp.zeros((num_rows,), jnp.float32),
-             argmax=jnp.zeros((num_rows,), jnp.int32),
-             label_logit=jnp.zeros((num_rows,), jnp.float32),
-             topk_logits=jnp.zeros(ids_NxK.shape, jnp.float32))
-  out, _ = jax.lax.scan(body, out, jnp.arange(-(-num_rows // chunk)))
-  return jax.lax.stop_gradient(out)

@@ -19,12 +19,11 @@ Applies to bf16 matmuls with V % 128 == 0 and D % 64 == 0 and one softmax in dL/
 tau != 1); other chunks take the two-kernel path. Off GPU the kernel runs in Mosaic GPU's
 interpreter, so CPU tests cover the same code.
 
-Measured on an H200 (BENCHMARKS.md, run 13; D 4096, V 131072, bf16, K 100): 32K tokens in
-159 ms (0.94x Liger-Kernel's cross-entropy in the same run) at 3.1 GiB of program memory, 256K
-in 1.29 s (0.99x) at 7.3 GiB.
+Speed and memory against peers: BENCHMARKS.md, loss head section.
 
 Shape letters: N positions, C chunk of positions, D model width, V vocabulary, K cached
-entries, T column tiles, J gathered entries per row, F entries per step.
+entries, P column tiles of the vocabulary, J gathered entries per row (K + 1), Q entries per
+step.
 """
 import jax
 import jax.numpy as jnp
@@ -80,22 +79,22 @@ def fused_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats
   """
   del dtype  # E is written either way: the logits are read back from it
   tau = spec.temperature
-  e_CxV, sum_TxC, max_TxC, *xex = mgpu.logits_exp(hidden_CxD, lm_head_DxV, 1.0 / tau,
+  e_CxV, sum_PxC, max_PxC, *xex = mgpu.logits_exp(hidden_CxD, lm_head_DxV, 1.0 / tau,
                                                    with_xex=stats)
-  top_C = jnp.max(max_TxC, axis=0)
+  top_C = jnp.max(max_PxC, axis=0)
   unsafe_C = (top_C < SAFE_LOW) | (top_C > SAFE_HIGH)
   shift_C = jnp.where(unsafe_C, top_C, 0.0)  # in units of z / tau
   e_ref = jax.new_ref(e_CxV)
-  row_sums = lambda tiles_TxC: tuple(jnp.sum(x_TxC, axis=0) for x_TxC in tiles_TxC)
+  row_sums = lambda tiles_PxC: tuple(jnp.sum(x_PxC, axis=0) for x_PxC in tiles_PxC)
 
   def repeat(carry):
-    sum_TxC, _, *xex = mgpu.logits_exp(hidden_CxD, lm_head_DxV, 1.0 / tau, shift_C, e_ref,
+    sum_PxC, _, *xex = mgpu.logits_exp(hidden_CxD, lm_head_DxV, 1.0 / tau, shift_C, e_ref,
                                        with_xex=stats)
-    return carry[0] + 1, row_sums([sum_TxC] + xex)
+    return carry[0] + 1, row_sums([sum_PxC] + xex)
 
   _, (sum_C, *xex_C) = jax.lax.while_loop(
       lambda carry: carry[0] < jnp.any(unsafe_C).astype(jnp.int32), repeat,
-      (jnp.int32(0), row_sums([sum_TxC] + xex)))
+      (jnp.int32(0), row_sums([sum_PxC] + xex)))
   e_CxV = jax.freeze(e_ref)
   ids_CxJ = jnp.concatenate([ids_CxK, labels_C[:, None]], axis=-1)
   e_CxJ = jnp.take_along_axis(e_CxV, ids_CxJ, axis=-1).astype(jnp.float32)
@@ -116,15 +115,15 @@ def exact_logits_where(todo_CxJ, z_CxJ, hidden_CxD, lm_head_DxV, ids_CxJ):
 
   def step(carry):
     z_CxJ, todo_CxJ = carry
-    flat_F = jnp.nonzero(todo_CxJ.reshape(-1), size=EXACT_BATCH, fill_value=rows * width)[0]
-    valid_F = flat_F < rows * width
-    r_F, j_F = jnp.minimum(flat_F, rows * width - 1) // width, flat_F % width
-    ids_F = ids_CxJ[r_F, j_F]
-    z_F = jnp.einsum("fd,df->f", hidden_CxD[r_F], lm_head_DxV[:, ids_F],
+    flat_Q = jnp.nonzero(todo_CxJ.reshape(-1), size=EXACT_BATCH, fill_value=rows * width)[0]
+    valid_Q = flat_Q < rows * width
+    r_Q, j_Q = jnp.minimum(flat_Q, rows * width - 1) // width, flat_Q % width
+    ids_Q = ids_CxJ[r_Q, j_Q]
+    z_Q = jnp.einsum("qd,dq->q", hidden_CxD[r_Q], lm_head_DxV[:, ids_Q],
                      preferred_element_type=jnp.float32)
-    r_F = jnp.where(valid_F, r_F, rows)  # out of bounds: dropped
-    z_CxJ = z_CxJ.at[r_F, j_F].set(z_F, mode="drop")
-    return z_CxJ, todo_CxJ.at[r_F, j_F].set(False, mode="drop")
+    r_Q = jnp.where(valid_Q, r_Q, rows)  # out of bounds: dropped
+    z_CxJ = z_CxJ.at[r_Q, j_Q].set(z_Q, mode="drop")
+    return z_CxJ, todo_CxJ.at[r_Q, j_Q].set(False, mode="drop")
 
   return jax.lax.while_loop(lambda carry: jnp.any(carry[1]), step, (z_CxJ, todo_CxJ))[0]
 

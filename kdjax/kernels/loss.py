@@ -43,6 +43,12 @@ from kdjax.kernels import chunked, objectives, reference
 IMPLS = ("auto", "reference", "xla", "pallas", "pallas_exact", "paper")
 
 
+def has_position_terms(impl: str) -> bool:
+  """Whether `impl` can return per-position terms (per_position=True): all but the paper's
+  algorithm, a benchmark baseline, which has none."""
+  return impl != "paper"
+
+
 def _fused_impl(impl: str):
   if impl == "auto":
     impl = "pallas" if jax.default_backend() == "gpu" else "xla"
@@ -131,7 +137,7 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
   if ce_weight != 0.0 and labels is None:
     raise ValueError(f"ce_weight={ce_weight} needs labels")
   _check_chunk(chunk_size)
-  if per_position and (not return_aux or impl == "paper"):
+  if per_position and (not return_aux or not has_position_terms(impl)):
     raise ValueError("per_position needs return_aux=True and an impl other than 'paper' (the "
                      "paper's algorithm has no per-position outputs)")
   if dw_dtype is not None:
@@ -174,29 +180,3 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
     aux["positions"] = {name: x_N.reshape(hidden.shape[:-1])
                         for name, x_N in zip(chunked.POSITION_TERMS, positions)}
   return loss, aux
-
-
-def position_stats(hidden, lm_head, topk_ids, labels=None, *, chunk_size=None):
-  """Per-position student logit statistics, chunked (no [N, V] array), without gradients.
-
-  Returns dict: lse [...] (logsumexp over the full vocabulary), argmax [...] int32,
-  label_logit [...] (if labels given), topk_logits [..., K]; float32, temperature 1.
-  """
-  _check(hidden, lm_head, topk_ids, jnp.zeros(topk_ids.shape, jnp.float32), None, labels)
-  _check_chunk(chunk_size)
-  dim, vocab = lm_head.shape
-  batch = hidden.shape[:-1]
-  hidden_NxD = hidden.reshape(-1, dim)
-  num_rows = hidden_NxD.shape[0]
-  ids_NxK = topk_ids.reshape(num_rows, topk_ids.shape[-1]).astype(jnp.int32)
-  labels_N = (jnp.zeros((num_rows,), jnp.int32) if labels is None
-              else labels.reshape(num_rows).astype(jnp.int32))
-  dtype = jnp.promote_types(hidden.dtype, lm_head.dtype)
-  chunk = min(chunk_size or chunked.default_chunk(num_rows, dim, vocab, dtype), max(num_rows, 1))
-  if num_rows == 0:
-    out = reference.position_stats(hidden_NxD, lm_head, ids_NxK, labels_N)
-  else:
-    out = chunked.position_stats(hidden_NxD, lm_head, ids_NxK, labels_N, chunk)
-  if labels is None:
-    out.pop("label_logit")
-  return {k: v.reshape(batch + v.shape[1:]) for k, v in out.items()}

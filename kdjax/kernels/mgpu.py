@@ -1,26 +1,26 @@
 """The logits matmul with the softmax numerator in its epilogue: a Mosaic GPU kernel (Hopper).
 
-    logits_exp(h [M, K], w [K, V], scale, shift [M] | None, e [M, V] ref | None)
-        -> e [M, V] (if not given), sums [V / BN, M], maxima [V / BN, M]
+    logits_exp(h [C, D], w [D, V], scale, shift [C] | None, e [C, V] ref | None)
+        -> e [C, V] (if not given), sums [P, C], maxima [P, C] (P = V / BN tiles)
 
 computes x = scale * (h @ w) - shift in a float32 accumulator, tile by tile, and writes from the
 registers: e = exp(x) rounded once to h's dtype (a new array, or into the given jax.Ref in
 place), and per BN-column tile the row sums of exp(x) and the row maxima of x, both float32. The
-[M, V] float32 logits never exist. shift None means 0; a caller whose rows could overflow exp
+[C, V] float32 logits never exist. shift None means 0; a caller whose rows could overflow exp
 (|x| beyond a few tens) repeats them with a shift, into the same e.
 
 Structure: a persistent kernel (one CTA per SM looping over output tiles in a snake order that
 reuses w's column band from L2), a memory warpgroup streaming [2 * BM, BK] and [BK, BN] operand
 tiles through shared memory with TMA, two compute warpgroups each owning BM rows of the
 [2 * BM, BN] tile with wgmma (float32 accumulator), an epilogue storing e through two
-shared-memory slots with TMA. Needs M % (2 * BM) == 0, V % BN == 0, K % BK == 0 (`fits`).
+shared-memory slots with TMA. Needs C % (2 * BM) == 0, V % BN == 0, D % BK == 0 (`fits`).
 Off GPU it runs in Mosaic GPU's interpreter, so CPU tests cover the same code.
 
-Measured on an H200 (experiments/mgpu_probe.py, BENCHMARKS.md): at cuBLAS speed, 0.99-1.03x
-XLA's dot with a float32 output, which writes twice the bytes.
+Its speed against XLA's dot: experiments/mgpu_probe.py, BENCHMARKS.md.
 
-Reference: `logits_exp_reference` (XLA). Shape letters: M rows, K contraction (model width),
-V vocabulary, T column tiles.
+Reference: `logits_exp_reference` (XLA). Shape letters: C rows (a chunk of positions), D model
+width (the contraction), V vocabulary, P column tiles, W columns per tile; BM, BN, BK are the
+matmul's tile sizes (rows, columns, contraction).
 """
 import dataclasses
 import functools
@@ -63,15 +63,15 @@ def fits(rows: int, dim: int, vocab: int, t: Tiles | None = None) -> bool:
   return rows % (2 * t.bm) == 0 and vocab % t.bn == 0 and dim % t.bk == 0
 
 
-def logits_exp_reference(h_MxK, w_KxV, scale, shift_M=None, bn=GPU_TILES.bn, with_xex=False):
+def logits_exp_reference(h_CxD, w_DxV, scale, shift_C=None, bn=GPU_TILES.bn, with_xex=False):
   """logits_exp in XLA: (e, sums [T, M], maxima [T, M][, sums of exp(x) x]) from float32 logits."""
-  x_MxV = jnp.dot(h_MxK, w_KxV, preferred_element_type=jnp.float32) * scale
-  if shift_M is not None:
-    x_MxV = x_MxV - shift_M[:, None]
-  tiles_MxTxB = x_MxV.reshape(x_MxV.shape[0], -1, bn)
-  out = (jnp.exp(x_MxV).astype(h_MxK.dtype), jnp.sum(jnp.exp(tiles_MxTxB), -1).T,
-         jnp.max(tiles_MxTxB, -1).T)
-  return out + ((jnp.sum(jnp.exp(tiles_MxTxB) * tiles_MxTxB, -1).T,) if with_xex else ())
+  x_CxV = jnp.dot(h_CxD, w_DxV, preferred_element_type=jnp.float32) * scale
+  if shift_C is not None:
+    x_CxV = x_CxV - shift_C[:, None]
+  tiles_CxPxW = x_CxV.reshape(x_CxV.shape[0], -1, bn)
+  out = (jnp.exp(x_CxV).astype(h_CxD.dtype), jnp.sum(jnp.exp(tiles_CxPxW), -1).T,
+         jnp.max(tiles_CxPxW, -1).T)
+  return out + ((jnp.sum(jnp.exp(tiles_CxPxW) * tiles_CxPxW, -1).T,) if with_xex else ())
 
 
 def _interpret_params():
@@ -177,26 +177,26 @@ def _kernel(*refs, t: Tiles, scale: float, shifted: bool, with_xex: bool):
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def logits_exp(h_MxK, w_KxV, scale: float, shift_M=None, e_ref=None, t: Tiles | None = None,
+def logits_exp(h_CxD, w_DxV, scale: float, shift_C=None, e_ref=None, t: Tiles | None = None,
                with_xex: bool = False):
   """See the module doc. e_ref: None (a new e is returned first) or a jax.Ref written in place.
   with_xex: also the per-tile row sums of exp(x) * x [T, M] (for the softmax's entropy), last."""
   t = t or tiles()
-  (m, k), vocab = h_MxK.shape, w_KxV.shape[1]
-  if not fits(m, k, vocab, t) or h_MxK.dtype != w_KxV.dtype:
+  (m, k), vocab = h_CxD.shape, w_DxV.shape[1]
+  if not fits(m, k, vocab, t) or h_CxD.dtype != w_DxV.dtype:
     raise ValueError(f"logits_exp needs rows % {2 * t.bm} == 0, vocabulary % {t.bn} == 0, width "
-                     f"% {t.bk} == 0 and one dtype; got h {h_MxK.shape} {h_MxK.dtype}, w "
-                     f"{w_KxV.shape} {w_KxV.dtype}")
+                     f"% {t.bk} == 0 and one dtype; got h {h_CxD.shape} {h_CxD.dtype}, w "
+                     f"{w_DxV.shape} {w_DxV.dtype}")
   stats = jax.ShapeDtypeStruct((vocab // t.bn, m), jnp.float32)
   out_type = (stats, stats) + ((stats,) if with_xex else ())
   if e_ref is None:
-    out_type = (jax.ShapeDtypeStruct((m, vocab), h_MxK.dtype),) + out_type
-  kernel = functools.partial(_kernel, t=t, scale=float(scale), shifted=shift_M is not None,
+    out_type = (jax.ShapeDtypeStruct((m, vocab), h_CxD.dtype),) + out_type
+  kernel = functools.partial(_kernel, t=t, scale=float(scale), shifted=shift_C is not None,
                              with_xex=with_xex)
   call = plgpu.kernel(
       kernel, out_type=out_type, grid=(_num_sms(),), grid_names=("sm",), num_threads=3,
       thread_name="wg", interpret=_interpret_params(),
       compiler_params=plgpu.CompilerParams(
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  args = (h_MxK, w_KxV) + (() if shift_M is None else (shift_M.astype(jnp.float32),))
+  args = (h_CxD, w_DxV) + (() if shift_C is None else (shift_C.astype(jnp.float32),))
   return call(*args, *(() if e_ref is None else (e_ref,)))

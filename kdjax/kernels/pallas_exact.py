@@ -25,9 +25,7 @@ and TMA copies, which buy nothing for a streaming pass (it does for the fused ma
 kernels sit behind `exp_pass` / `dense_grad`, so the backend can change without touching the
 driver. Off GPU they run in interpret mode, so CPU tests cover the same code.
 
-Measured on an H200 (BENCHMARKS.md, A = D 4096, V 131072, 32K tokens, chunk 1024): the three
-matmuls take 156 ms of the step's 165 ms of kernels, exp_pass 6.9 ms; the read-modify-write of
-dW per chunk makes the dW matmul ~10 ms slower than the other two; 1.00-1.01x Liger-Kernel.
+Where its time goes, against the matmuls and peers: BENCHMARKS.md, loss head section.
 
 Shape letters: C chunk of positions, V vocabulary.
 """

@@ -53,14 +53,3 @@ def topk_kl_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, mask_N, labels_N,
   top1_N = jnp.argmax(logits_NxV, axis=-1) == teacher_top_N
   positions = jax.lax.stop_gradient((kl_N, ce_N, entropy_N, top1_N))
   return kl + spec.ce_weight * ce, jax.lax.stop_gradient(kl), jax.lax.stop_gradient(ce), positions
-
-
-def position_stats(hidden_NxD, lm_head_DxV, ids_NxK, labels_N):
-  logits_NxV = jnp.einsum("nd,dv->nv", hidden_NxD, lm_head_DxV,
-                          preferred_element_type=jnp.float32)
-  out = dict(lse=jax.nn.logsumexp(logits_NxV, axis=-1),
-             argmax=jnp.argmax(logits_NxV, axis=-1).astype(jnp.int32),
-             topk_logits=jnp.take_along_axis(logits_NxV, ids_NxK, axis=-1))
-  if labels_N is not None:
-    out["label_logit"] = jnp.take_along_axis(logits_NxV, labels_N[:, None], axis=-1)[:, 0]
-  return out

@@ -2,7 +2,7 @@
 
 Shape letters: B batch, T query positions, S key positions (the same tokens as T), H query heads,
 G key/value heads, R query heads per key/value head (H = G * R), E head dim, M documents per row
-(a static bound), N documents in one cuDNN call.
+(a static bound, or those of one cuDNN call).
 
 A packed row holds documents (segments 1, 2, ... in order, each one contiguous) followed by
 padding (segment 0). Query t sees key s iff s <= t and both lie in the same document; padding
@@ -107,7 +107,8 @@ def attention_einsum(q_BxTxHxE: jax.Array, k_BxSxGxE: jax.Array, v_BxSxGxE: jax.
 
 # cuDNN's packed backward takes a float32 workspace of about 2 x (B * m * T * H * E) x 4 bytes
 # for m documents per call: it sizes every document of the bound m as if it were T long. With
-# Llama-3.2-3B's heads at T = 128K and m = 16 that is 48 GiB per layer (measured, H200). Calls
+# Llama-3.2-3B's heads at T = 128K and m = 16 that is 48 GiB per layer (as XLA's buffer
+# assignment on the H200 showed; BENCHMARKS.md). Calls
 # therefore take at most max(2, WORKSPACE_POSITIONS // (B * T)) documents each: B * m * T stays
 # within 2^18 positions (~6 GiB at 24 x 128 heads) from T = 256K down, and at 8K one call takes
 # 32 documents.
@@ -135,16 +136,16 @@ def _grad_where_bwd(keep_BxT, dx):
 _grad_where.defvjp(_grad_where_fwd, _grad_where_bwd)
 
 
-def _cudnn_packed(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, starts_BxN1, lengths_BxN, scale):
-  """One cuDNN call over N documents per row given as spans. It reads and writes (forward and
+def _cudnn_packed(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, starts_BxM1, lengths_BxM, scale):
+  """One cuDNN call over M documents per row given as spans. It reads and writes (forward and
   backward) only positions inside those spans; everything else is left as it was."""
   # jax.nn.dot_product_attention (JAX 0.11) takes sequence lengths but not the per-document
   # offsets of a packed row; the cuDNN wrapper underneath does. JAX is pinned, so this private
   # import is checked by the GPU test whenever the pin moves.
   from jax._src.cudnn import fused_attention_stablehlo as cudnn_sdpa
   return cudnn_sdpa.dot_product_attention(
-      q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, q_seqlen=lengths_BxN, kv_seqlen=lengths_BxN,
-      q_offsets=starts_BxN1, kv_offsets=starts_BxN1, scale=scale,
+      q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, q_seqlen=lengths_BxM, kv_seqlen=lengths_BxM,
+      q_offsets=starts_BxM1, kv_offsets=starts_BxM1, scale=scale,
       mask_type=cudnn_sdpa.MaskType.PADDING_CAUSAL)
 
 
@@ -175,9 +176,10 @@ def attention_cudnn(q_BxTxHxE: jax.Array, k_BxSxGxE: jax.Array, v_BxSxGxE: jax.A
     mine_BxT = call_BxT == i
     # cuDNN leaves the gradients outside the call's documents unwritten: they are dropped.
     q_i, k_i, v_i = (_grad_where(x, mine_BxT) for x in (q_BxTxHxE, k_BxSxGxE, v_BxSxGxE))
-    starts_BxN1 = jnp.concatenate([starts_BxM1[:, :-1][:, i * m:(i + 1) * m],
-                                   jnp.full((b, 1), -1, jnp.int32)], axis=1)
-    out_i = _cudnn_packed(q_i, k_i, v_i, starts_BxN1, lengths_BxM[:, i * m:(i + 1) * m], scale)
+    call_starts_BxM1 = jnp.concatenate([starts_BxM1[:, :-1][:, i * m:(i + 1) * m],
+                                        jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    out_i = _cudnn_packed(q_i, k_i, v_i, call_starts_BxM1, lengths_BxM[:, i * m:(i + 1) * m],
+                          scale)
     out_BxTxHxE = jnp.where(mine_BxT[:, :, None, None], out_i, out_BxTxHxE)
   return out_BxTxHxE.astype(q_BxTxHxE.dtype)
 

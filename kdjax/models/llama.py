@@ -139,17 +139,18 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   return inv_freq.astype(np.float32)
 
 
-def apply_rope(x_BxTxNxE: jax.Array, positions_BxT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-  """Rotate-half RoPE (Hugging Face layout: pairs are (i, i + E/2)), computed in float32."""
+def apply_rope(x_BxTxHxE: jax.Array, positions_BxT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotate-half RoPE (Hugging Face layout: pairs are (i, i + E/2)), computed in float32; H is
+  the query heads or the key/value heads (G)."""
   inv_freq_11E2 = jnp.asarray(inv_freq)[None, None]
   angles_BxTxE2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_11E2
   cos_BxTx1xE2 = jnp.cos(angles_BxTxE2)[:, :, None, :]
   sin_BxTx1xE2 = jnp.sin(angles_BxTxE2)[:, :, None, :]
-  x = x_BxTxNxE.astype(jnp.float32)
+  x = x_BxTxHxE.astype(jnp.float32)
   x1, x2 = jnp.split(x, 2, axis=-1)
   out = jnp.concatenate([x1 * cos_BxTx1xE2 - x2 * sin_BxTx1xE2,
                          x2 * cos_BxTx1xE2 + x1 * sin_BxTx1xE2], axis=-1)
-  return out.astype(x_BxTxNxE.dtype)
+  return out.astype(x_BxTxHxE.dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
