@@ -19,6 +19,7 @@ SCRIPTS = sorted(os.path.splitext(os.path.basename(path))[0]
 # import runs none of it.
 IMPORT_ONLY = {
     "demo_ab": "the A/B studies' shared module: no entry point",
+    "loss_bench_report": "loss_bench.py's table and plot: no entry point",
     "mgpu_probe": "positional M K V, no flags: --help would run the full-size probe",
 }
 COMPILE_ONLY = {"hf_reference": "imports torch and transformers: it runs in .venv-hf (test_hf)"}
