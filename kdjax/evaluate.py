@@ -19,6 +19,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from kdjax import kernels
+from kdjax.kernels import full_kl
 from kdjax.models import attention
 from kdjax.data.packing import next_token_labels
 
@@ -57,3 +58,46 @@ def evaluate(model: nnx.Module, store, *, batch_size: int, max_seqs: int, chunk_
   count = max(sums["positions"], 1.0)
   return {"kl": sums["kl"] / count, "top1_agreement": sums["top1_agreement"] / count,
           "ce": sums["ce"] / count, "positions": int(sums["positions"])}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "teacher_graphdef", "chunk_size",
+                                             "max_documents"))
+def _online_sums(params, teacher_params, batch, *, graphdef, teacher_graphdef, chunk_size,
+                 max_documents):
+  inputs = (batch["tokens"], batch["positions"], batch["segment_ids"], max_documents)
+  student, teacher = nnx.merge(graphdef, params), nnx.merge(teacher_graphdef, teacher_params)
+  hidden_BxTxD, teacher_hidden_BxTxD = student(*inputs), teacher(*inputs)
+  mask_BxT = batch["loss_mask"]
+  _, terms = full_kl.full_kl_loss(
+      hidden_BxTxD, student.lm_head_DxV().astype(hidden_BxTxD.dtype), teacher_hidden_BxTxD,
+      teacher.lm_head_DxV().astype(teacher_hidden_BxTxD.dtype), mask_BxT,
+      labels=batch["labels"], chunk_size=chunk_size, per_position=True)
+  total = lambda x: jnp.sum(jnp.where(mask_BxT, x.astype(jnp.float32), 0.0))
+  return ({"full_kl": total(terms["kl"]), "top1_agreement": total(terms["top1"]),
+           "ce": total(terms["ce"]), "positions": total(jnp.ones_like(terms["kl"]))},
+          full_kl.calibration_sums(terms["confidence"], terms["correct"], mask_BxT))
+
+
+def evaluate_online(model: nnx.Module, teacher: nnx.Module, store, *, batch_size: int,
+                    max_seqs: int, chunk_size: int | None = None, desc: str = "eval") -> dict:
+  """Against the teacher run here, over the valid positions of the first `max_seqs` rows (0 =
+  all) of a store (tokenised data or a cache): the full-vocabulary KL(teacher || student), top-1
+  agreement, the student's CE on the true tokens and its expected calibration error (ECE)."""
+  graphdef, params = nnx.split(model)
+  teacher_graphdef, teacher_params = nnx.split(teacher)
+  n = store.num_seqs if max_seqs == 0 else min(max_seqs, store.num_seqs)
+  sums, bins = {}, 0.0
+  for start in tqdm(range(0, n, batch_size), desc=desc, unit="batch", leave=False):
+    rows = store.read(np.arange(start, min(start + batch_size, n)))
+    batch = {k: rows[k] for k in ("tokens", "positions", "segment_ids", "loss_mask")}
+    batch["labels"] = next_token_labels(rows["tokens"])
+    out, batch_bins = _online_sums(
+        params, teacher_params, batch, graphdef=graphdef, teacher_graphdef=teacher_graphdef,
+        chunk_size=chunk_size, max_documents=attention.documents_bound(batch["segment_ids"]))
+    for k, v in out.items():
+      sums[k] = sums.get(k, 0.0) + float(v)
+    bins = bins + np.asarray(batch_bins, np.float64)
+  count = max(sums["positions"], 1.0)
+  return {"full_kl": sums["full_kl"] / count, "top1_agreement": sums["top1_agreement"] / count,
+          "ce": sums["ce"] / count, "ece": full_kl.expected_calibration_error(bins),
+          "positions": int(sums["positions"])}

@@ -48,3 +48,46 @@ def test_matches_dense_float64_reference(tmp_path, rng):
   np.testing.assert_allclose(got["kl"], kl_NxT[mask].mean(), rtol=1e-4)
   np.testing.assert_allclose(got["ce"], ce_NxT[mask].mean(), rtol=1e-5)
   np.testing.assert_allclose(got["top1_agreement"], top1_NxT[mask].mean())
+
+
+def test_online_matches_dense_float64_reference(tmp_path, rng):
+  """evaluate_online on a k = 0 data store: full KL to a second tiny Llama run online, top-1
+  agreement, CE and ECE, against float64 computed from the two models' hidden states."""
+  def tiny(d_model, seed):
+    cfg = llama.ModelConfig(vocab_size=V, d_model=d_model, n_layers=1, n_heads=2, n_kv_heads=1,
+                            head_dim=8, d_ff=32, attention_impl="einsum")
+    return llama.Transformer(cfg, rngs=nnx.Rngs(seed))
+  student, teacher = tiny(16, int(rng.integers(1 << 30))), tiny(24, int(rng.integers(1 << 30)))
+  segment_ids_NxT = np.ones((N, T), np.int32)
+  segment_ids_NxT[2, 7:] = 0
+  rows = {"tokens": rng.integers(0, V, (N, T), dtype=np.int32), "segment_ids": segment_ids_NxT,
+          "positions": np.tile(np.arange(T, dtype=np.int32), (N, 1)),
+          "loss_mask": (segment_ids_NxT > 0) & (rng.random((N, T)) < 0.8)}
+  rows["loss_mask"][:, -1] = False
+  store = cache.create(tmp_path / "d.zarr", num_seqs=N, seq_len=T, k=0, vocab_size=V,
+                       attrs={"tokenizer_hash": "tok"})
+  store.write(0, rows)
+
+  got = evaluate.evaluate_online(student, teacher, cache.open(tmp_path / "d.zarr"), batch_size=2,
+                                 max_seqs=0, chunk_size=6)
+
+  def logprobs(model):
+    hidden = np.asarray(model(rows["tokens"], rows["positions"], rows["segment_ids"]), np.float64)
+    z = hidden @ np.asarray(model.lm_head_DxV(), np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+  logq, logp = logprobs(student), logprobs(teacher)
+  mask = rows["loss_mask"]
+  labels = np.asarray(next_token_labels(rows["tokens"]))
+  kl = (np.exp(logp) * (logp - logq)).sum(-1)
+  ce = -np.take_along_axis(logq, labels[..., None], -1)[..., 0]
+  confidence, correct = np.exp(logq.max(-1)), logq.argmax(-1) == labels
+  bins = np.minimum((confidence * 15).astype(int), 14)
+  ece = sum(abs(correct[mask & (bins == b)].sum() - confidence[mask & (bins == b)].sum())
+            for b in range(15)) / mask.sum()
+  assert got["positions"] == mask.sum()
+  np.testing.assert_allclose(got["full_kl"], kl[mask].mean(), rtol=1e-4)
+  np.testing.assert_allclose(got["ce"], ce[mask].mean(), rtol=1e-5)
+  np.testing.assert_allclose(got["top1_agreement"],
+                             (logq.argmax(-1) == logp.argmax(-1))[mask].mean())
+  np.testing.assert_allclose(got["ece"], ece, rtol=1e-4, atol=1e-6)
