@@ -12,9 +12,8 @@ import ml_collections
 from kdjax.cache.layout import LAYOUTS
 from kdjax.data.sources import LOSS_MASKS
 from kdjax.kernels import IMPLS
-from kdjax.kernels.objectives import OBJECTIVES
 from kdjax.models import llama
-from kdjax.train import STATE_MEMORIES
+from kdjax.train import OBJECTIVES, STATE_MEMORIES
 
 # The choices below are owned by the modules that implement them (imported above); the stages
 # are owned here: kdjax.pipeline runs stage_<name> for each, in this order.
@@ -99,7 +98,10 @@ def base() -> ml_collections.ConfigDict:
   c.cache.world = 1  # number of writers (rank r writes regions r, r + world, ...)
 
   c.loss = ml_collections.ConfigDict()
-  c.loss.objective = "sparse"  # "sparse" (paper), "tail" (+ one bucket for 1 - top-k mass), "renorm"
+  # "sparse" (paper), "tail" (+ one bucket for 1 - top-k mass), "renorm" (top-k renormalised);
+  # "online": no cache, the teacher runs in every step and the KL is over the full vocabulary
+  # (the reference the others approximate; the teacher must fit beside the student)
+  c.loss.objective = "sparse"
   c.loss.temperature = 1.0  # softening; see kdjax.kernels for the exact definition
   c.loss.ce_weight = 0.0  # weight of hard-label cross-entropy mixed into the distillation loss
   # "auto" (pallas on GPU, xla on CPU), "xla", "pallas", "pallas_exact", "paper", "reference"

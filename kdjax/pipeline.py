@@ -99,7 +99,7 @@ def stage_data(c, paths: Paths):
              eval_path=paths.data("eval"))
 
 
-def _fit(c, paths, name, group, opt, open_store, hard_labels):
+def _fit(c, paths, name, group, opt, open_store, hard_labels, teacher=None):
   """Trains the model of `group` on open_store(model_cfg); a finished run is restored instead."""
   vocab = load_tokenizer(c, paths).vocab_size
   shapes = model_config_of(group, vocab)
@@ -111,7 +111,7 @@ def _fit(c, paths, name, group, opt, open_store, hard_labels):
   model, cfg = new_model(group, vocab, c.seed)
   model = train.fit(name=name, model=model, model_cfg=cfg, store=store,
                     workdir=paths.run(name), opt=opt, loss_cfg=c.loss, hard_labels=hard_labels,
-                    seed=c.seed)
+                    seed=c.seed, teacher=teacher)
   return model, cfg
 
 
@@ -164,6 +164,9 @@ def open_cache(c, paths: Paths, split: str):
 
 
 def stage_train(c, paths: Paths):
+  if c.loss.objective == "online":  # the teacher in the step, on the tokenised data
+    return _fit(c, paths, "student", c.student, c.opt, _open_data(c, paths, "train"), False,
+                teacher=load_teacher(c, paths))
   return _fit(c, paths, "student", c.student, c.opt, open_cache(c, paths, "train"), False)
 
 

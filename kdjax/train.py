@@ -1,6 +1,8 @@
 """Training a model against a sequence store: one jitted step, AdamW, orbax checkpoints, exact resume.
 
-Distillation reads a teacher cache (top-k ids and log-probs per position). Hard-label training
+Distillation reads a teacher cache (top-k ids and log-probs per position), or, with objective
+"online" (the reference the cached objectives approximate), runs the teacher in the step on a
+plain data store and takes the full-vocabulary KL (kdjax.kernels.full_kl). Hard-label training
 (the demo's teacher pre-training and the hard-label baseline) reads a plain data store and uses the
 same loss with a one-hot "teacher": K = 1, id = next token, log-prob 0, for which the sparse KL
 is exactly the cross-entropy. One code path for both.
@@ -24,6 +26,7 @@ from flax import nnx
 
 from kdjax import cache, kernels, tensorboard
 from kdjax.cache import durable
+from kdjax.kernels import full_kl, objectives
 from kdjax.checkpoints import Checkpoints
 from kdjax.data.packing import next_token_labels
 from kdjax.models import attention, llama
@@ -33,6 +36,8 @@ PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H1
               "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12}
 
 STATE_MEMORIES = ("device", "host")  # where AdamW's moments live between updates
+# The cached objectives (kdjax.kernels.objectives) and "online": the teacher in the step.
+OBJECTIVES = objectives.OBJECTIVES + ("online",)
 
 
 def peak_flops(override_tflops: float = 0.0) -> float | None:
@@ -101,18 +106,35 @@ def to_step_batch(rows: dict, accum_steps: int, hard_labels: bool) -> dict:
   if hard_labels:
     batch["topk_ids"] = labels[..., None]
     batch["topk_logprobs"] = np.zeros(labels.shape + (1,), np.float32)
-  else:
+  elif "topk_ids" in rows:  # a cache; a data store's rows (objective "online") have no top-k
     batch["topk_ids"] = rows["topk_ids"]
     batch["topk_logprobs"] = rows["topk_logprobs"]
   return {k: v.reshape((accum_steps, -1) + v.shape[1:]) for k, v in batch.items()}
 
 
+def _masked_means(terms: dict, mask_BxT) -> dict:
+  mask_BxT = mask_BxT.astype(jnp.float32)
+  count = jnp.maximum(jnp.sum(mask_BxT), 1.0)
+  return {k: jnp.sum(mask_BxT * v) / count for k, v in terms.items()}
+
+
 def loss_fn(params, graphdef, batch, loss: LossSettings, max_documents: int):
+  """The micro-batch's loss and metrics; objective "online" reads the teacher's outputs from the
+  batch (teacher_hidden, teacher_head: see grad_step)."""
   model = nnx.merge(graphdef, params)
-  hidden_BxTxD = model(batch["tokens"], batch["positions"], batch["segment_ids"], max_documents)
+  inputs = (batch["tokens"], batch["positions"], batch["segment_ids"], max_documents)
+  hidden_BxTxD = model(*inputs)
   # The loss matmuls run in the compute dtype (bf16 at scale) with f32 accumulation; an f32
   # lm_head would make all three run in f32. Its gradient flows back to the f32 parameters.
   lm_head_DxV = model.lm_head_DxV().astype(hidden_BxTxD.dtype)
+  if loss.objective == "online":
+    value, terms = full_kl.full_kl_loss(
+        hidden_BxTxD, lm_head_DxV, batch["teacher_hidden"], batch["teacher_head"],
+        batch["loss_mask"],
+        temperature=loss.temperature, labels=batch["labels"], ce_weight=loss.ce_weight,
+        chunk_size=loss.chunk_size or None, per_position=True)
+    return value, _masked_means({k: terms[k] for k in ("kl", "ce", "top1", "entropy")},
+                                batch["loss_mask"])
   per_position = loss.position_metrics and kernels.has_position_terms(loss.impl)
   value, aux = kernels.topk_kl_loss(
       hidden_BxTxD, lm_head_DxV, batch["topk_ids"], batch["topk_logprobs"],
@@ -122,21 +144,27 @@ def loss_fn(params, graphdef, batch, loss: LossSettings, max_documents: int):
       per_position=per_position)
   metrics = {"kl": aux["kl"], "ce": aux["ce"]}
   if per_position:  # masked means, like kl and ce; from the loss's own pass
-    mask_BxT = batch["loss_mask"].astype(jnp.float32)
-    count = jnp.maximum(jnp.sum(mask_BxT), 1.0)
-    metrics["top1"] = jnp.sum(mask_BxT * aux["positions"]["top1"]) / count
-    metrics["entropy"] = jnp.sum(mask_BxT * aux["positions"]["entropy"]) / count
+    metrics.update(_masked_means({k: aux["positions"][k] for k in ("top1", "entropy")},
+                                 batch["loss_mask"]))
   return value, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "loss", "max_documents"),
-                   donate_argnames="grads_sum")
-def grad_step(params, grads_sum, batch_BxT, *, graphdef, loss: LossSettings, max_documents: int):
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss", "max_documents",
+                                             "teacher_graphdef"), donate_argnames="grads_sum")
+def grad_step(params, grads_sum, batch_BxT, teacher_params=None, *, graphdef, loss: LossSettings,
+              max_documents: int, teacher_graphdef=None):
   """One micro-batch: its gradients added into the donated running sum, and its metrics.
+  teacher_params / teacher_graphdef: the teacher run in the step (objective "online" only).
 
   The sum is updated in place, so gradient accumulation holds one gradient buffer whatever the
   number of micro-batches (one program scanning them all grew with their number; BENCHMARKS.md).
   """
+  if teacher_graphdef is not None:  # the teacher's forward, outside differentiation
+    teacher = nnx.merge(teacher_graphdef, teacher_params)
+    hidden_BxTxD = teacher(batch_BxT["tokens"], batch_BxT["positions"], batch_BxT["segment_ids"],
+                           max_documents)
+    batch_BxT = {**batch_BxT, "teacher_hidden": hidden_BxTxD,
+                 "teacher_head": teacher.lm_head_DxV().astype(hidden_BxTxD.dtype)}
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   (value, metrics), grads = grad_fn(params, graphdef, batch_BxT, loss, max_documents)
   # Each gradient is rounded once into the sum's dtype (opt.accum_dtype).
@@ -177,16 +205,19 @@ def init_state(params, tx, opt_cfg):
 
 
 def train_step(state, grads_sum, batch_AxB: dict, *, graphdef, tx, loss: LossSettings,
-               state_memory: str, max_documents: int):
-  """One optimizer step over A micro-batches: A grad_steps, then apply_step.
+               state_memory: str, max_documents: int, teacher=None):
+  """One optimizer step over A micro-batches: A grad_steps, then apply_step. teacher: (graphdef,
+  params) of the teacher run in the step (objective "online"), else None.
 
   Returns (state, metrics, grads_sum) with every array still in flight (nothing waits).
   """
   metrics_A = []
   for a in range(next(iter(batch_AxB.values())).shape[0]):
     micro_BxT = {k: v[a] for k, v in batch_AxB.items()}
-    grads_sum, metrics = grad_step(state["params"], grads_sum, micro_BxT, graphdef=graphdef,
-                                   loss=loss, max_documents=max_documents)
+    grads_sum, metrics = grad_step(state["params"], grads_sum, micro_BxT,
+                                   None if teacher is None else teacher[1], graphdef=graphdef,
+                                   loss=loss, max_documents=max_documents,
+                                   teacher_graphdef=None if teacher is None else teacher[0])
     metrics_A.append(metrics)
   return apply_step(state, grads_sum, metrics_A, tx=tx, state_memory=state_memory)
 
@@ -233,8 +264,10 @@ def _keep_metrics_until(path: str, step: int):
 
 
 def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, workdir: str,
-        opt, loss_cfg, hard_labels: bool, seed: int) -> nnx.Module:
+        opt, loss_cfg, hard_labels: bool, seed: int, teacher: nnx.Module | None = None
+        ) -> nnx.Module:
   """Trains `model` for opt.steps on `store`, resuming from workdir/ckpt; returns the trained model.
+  teacher: run in every step with objective "online" (store: a data store), else None.
 
   Returns at once when the final checkpoint exists (the stage is complete). A checkpoint is
   written only after its step's metrics and parameters are checked finite, and metrics.jsonl then
@@ -261,7 +294,11 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
 
   tokens_per_step = opt.batch_size * opt.accum_steps * store.seq_len
   peak = peak_flops(opt.peak_tflops)
+  if (loss.objective == "online") != (teacher is not None):
+    raise ValueError(f"objective {loss.objective!r}, teacher {'given' if teacher else 'none'}: "
+                     "objective 'online', and only it, runs a teacher in the step")
   step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx, loss=loss,
+                              teacher=None if teacher is None else nnx.split(teacher),
                               state_memory=opt.state_memory)
   max_documents = 1  # only grows (documents_bound), so the step compiles at most log2(T) times
   events = tensorboard.EventWriter(os.path.join(workdir, "tensorboard"))

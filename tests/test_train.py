@@ -344,3 +344,56 @@ def test_memory_levers_keep_the_update(lever, rng):
     assert all(x.dtype == jnp.bfloat16 for x in opt_leaves)
   if exact:
     assert all(x.sharding.memory_kind == "pinned_host" for x in opt_leaves)
+
+
+def test_online_objective_runs_the_teacher_in_the_step(tmp_path, rng):
+  """objective "online": a data store (no top-k), the teacher's full softmax in every step. The
+  step's loss is the full-vocabulary KL of the two models on the batch, and training lowers it."""
+  tokens = rng.integers(0, V, (S, T)).astype(np.int32)
+  tokens[:, 1:] = (tokens[:, :1] + np.arange(1, T)) % V
+  mask = np.ones((S, T), bool)
+  mask[:, -1] = False
+  store = cache.create(str(tmp_path / "d.zarr"), num_seqs=S, seq_len=T, k=0, vocab_size=V,
+                       attrs={"source": "test"})
+  store.write(0, {"tokens": tokens, "segment_ids": np.ones((S, T), np.int32),
+                  "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (S, T)).copy(),
+                  "loss_mask": mask})
+  store = cache.open(str(tmp_path / "d.zarr"))
+  teacher = llama.Transformer(tiny_model_cfg(d_model=48), rngs=nnx.Rngs(7))
+  cfg = tiny_model_cfg()
+  loss_cfg = config.base().loss
+  loss_cfg.update(objective="online", chunk_size=10)
+
+  batch = {k: jnp.asarray(v) for k, v in train.to_step_batch(
+      store.read(np.arange(2)), 1, hard_labels=False).items()}
+  batch = {k: v[0] for k, v in batch.items()}
+  student = llama.Transformer(cfg, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(student)
+  teacher_graphdef, teacher_params = nnx.split(teacher)
+  settings = train.LossSettings.from_config(loss_cfg, hard_labels=False)
+  _, metrics = train.grad_step(params, jax.tree.map(jnp.zeros_like, params), batch,
+                              teacher_params, graphdef=graphdef, loss=settings, max_documents=1,
+                              teacher_graphdef=teacher_graphdef)
+  value = metrics.pop("loss")
+
+  def logprobs(model):
+    hidden = np.asarray(model(batch["tokens"], batch["positions"], batch["segment_ids"]),
+                        np.float64)
+    z = hidden @ np.asarray(model.lm_head_DxV(), np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+  logq, logp = logprobs(student), logprobs(teacher)
+  m = np.asarray(batch["loss_mask"])
+  np.testing.assert_allclose(float(value), (np.exp(logp) * (logp - logq)).sum(-1)[m].mean(),
+                             rtol=1e-4)
+  assert set(metrics) == {"kl", "ce", "top1", "entropy"}
+
+  with pytest.raises(ValueError, match="objective 'online', and only it"):
+    train.fit(name="no_teacher", model=student, model_cfg=cfg, store=store,
+              workdir=str(tmp_path / "no_teacher"), opt=opt_group(), loss_cfg=loss_cfg,
+              hard_labels=False, seed=0)
+  train.fit(name="run", model=llama.Transformer(cfg, rngs=nnx.Rngs(0)), model_cfg=cfg,
+            store=store, workdir=str(tmp_path / "run"), opt=opt_group(steps=20, ckpt_every=20),
+            loss_cfg=loss_cfg, hard_labels=False, seed=0, teacher=teacher)
+  rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+  assert rows[-1]["kl"] < rows[0]["kl"]

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 # Positions per chunk unless given: both [C, V] float32 logits within this many bytes.
 CHUNK_BYTES = 256 * 2**20
-POSITION_TERMS = ("kl", "top1", "ce", "confidence", "correct")
+POSITION_TERMS = ("kl", "top1", "entropy", "ce", "confidence", "correct")
 
 
 def default_chunk(num_rows: int, vocab: int) -> int:
@@ -37,15 +37,17 @@ def _chunk_terms(h_CxD, w_DxV, th_CxD, tw_DxV, labels_C, temperature):
   logp_CxV = jax.nn.log_softmax(zt_CxV / temperature, axis=-1)
   kl_C = temperature * temperature * jnp.sum(jnp.exp(logp_CxV) * (logp_CxV - logq_CxV), axis=-1)
   argmax_C = jnp.argmax(z_CxV, axis=-1)
-  logq1_CxV = jax.lax.stop_gradient(jax.nn.log_softmax(z_CxV, axis=-1))
+  logq1_CxV = jax.nn.log_softmax(z_CxV, axis=-1)
   return dict(kl=kl_C, top1=argmax_C == jnp.argmax(zt_CxV, axis=-1),
+              entropy=-jnp.sum(jnp.exp(logq_CxV) * logq_CxV, axis=-1),
               ce=-jnp.take_along_axis(logq1_CxV, labels_C[:, None], axis=-1)[:, 0],
               confidence=jnp.exp(jnp.max(logq1_CxV, axis=-1)), correct=argmax_C == labels_C)
 
 
 def full_kl_loss(hidden, lm_head, teacher_hidden, teacher_head, mask, *, temperature=1.0,
-                 labels=None, chunk_size=None, per_position=False):
-  """Mean full-vocabulary KL over masked positions; with per_position, (loss, {term: [...]}).
+                 labels=None, ce_weight=0.0, chunk_size=None, per_position=False):
+  """Mean over masked positions of the full-vocabulary KL + ce_weight * CE(labels); with
+  per_position, (loss, {term: [...]}) (POSITION_TERMS; entropy: the student's, at tau).
 
   hidden [..., D], lm_head [D, V] (the student's); teacher_hidden [..., D_t], teacher_head
   [D_t, V]; mask [...] bool (None: all); labels [...] int (None: ce and correct are 0).
@@ -59,6 +61,8 @@ def full_kl_loss(hidden, lm_head, teacher_hidden, teacher_head, mask, *, tempera
                      "cover the same positions")
   if not temperature > 0:
     raise ValueError(f"temperature must be > 0, got {temperature}")
+  if ce_weight != 0.0 and labels is None:
+    raise ValueError(f"ce_weight={ce_weight} needs labels")
   num_rows, vocab = hidden.size // hidden.shape[-1], lm_head.shape[1]
   chunk = chunk_size or default_chunk(num_rows, vocab)
   padded = -(-num_rows // chunk) * chunk
@@ -80,7 +84,8 @@ def full_kl_loss(hidden, lm_head, teacher_hidden, teacher_head, mask, *, tempera
   terms = {k: v.reshape(padded)[:num_rows] for k, v in terms.items()}
   mask_N = mask_N[:num_rows]
   count = jnp.maximum(jnp.sum(mask_N), 1).astype(jnp.float32)
-  loss = jnp.sum(jnp.where(mask_N, terms["kl"], 0.0)) / count
+  mean = lambda x: jnp.sum(jnp.where(mask_N, x, 0.0)) / count
+  loss = mean(terms["kl"]) + (ce_weight * mean(terms["ce"]) if ce_weight else 0.0)
   if not per_position:
     return loss
   if labels is None:
