@@ -24,9 +24,10 @@ def parse_args(doc: str, out: str, add_arguments=lambda parser: None) -> argpars
   return args
 
 
-def prepare(out: str):
-  """The demo's data, teacher and cache under OUT/demo (skipped when present); their config."""
-  prep = demo.get_config()
+def prepare(out: str, variant: str = ""):
+  """The demo's data, teacher and cache under OUT/demo (skipped when present); their config.
+  variant "smoke": configs/demo.py:smoke's tiny shapes."""
+  prep = demo.get_config(variant)
   prep.workdir = os.path.join(out, "demo")
   prep.stages = ("data", "pretrain", "cache")
   pipeline.run(prep)
@@ -39,7 +40,7 @@ def distil(prep, out: str, name: str, seed: int, edit=lambda c: None,
   config changed by edit(c); returns its held-out evaluation. Stage train runs inside
   `with train_only():` (an arm's change to the loss), stage eval outside it: evaluation reads the
   loss's per-position terms, which every arm must measure alike."""
-  c = demo.get_config()
+  c = prep.copy_and_resolve_references()
   c.workdir = os.path.join(out, name)
   c.cache.path = os.path.join(prep.workdir, "cache")
   c.data.tokenizer = os.path.join(prep.workdir, "data", "tokenizer.json")

@@ -23,7 +23,6 @@ agreement and CE; then the same for the unperturbed teacher computed in bf16 (th
 perturbed inits (the start), and per objective the arms' means, the paired difference
 from_e - exact per seed, and the spread between seeds.
 """
-import functools
 import json
 import os
 import sys
@@ -62,34 +61,11 @@ def perturbed(model: nnx.Module, noise: float, seed: int) -> nnx.Module:
   return nnx.merge(graphdef, jax.tree.unflatten(treedef, noisy))
 
 
-@functools.partial(jax.jit, static_argnames="graphdefs")
-def _full_kl_sums(params, batch, *, graphdefs):
-  """Sum over valid positions of KL(teacher || student) over the whole vocabulary; positions."""
-  logp = []
-  for graphdef, p in zip(graphdefs, params):  # teacher, student
-    model = nnx.merge(graphdef, p)
-    hidden_BxTxD = model(batch["tokens"], batch["positions"], batch["segment_ids"])
-    lm_head_DxV = model.lm_head_DxV().astype(hidden_BxTxD.dtype)  # as in training
-    logits_BxTxV = jnp.einsum("btd,dv->btv", hidden_BxTxD, lm_head_DxV,
-                              preferred_element_type=jnp.float32)
-    logp.append(jax.nn.log_softmax(logits_BxTxV, axis=-1))
-  logp_BxTxV, logq_BxTxV = logp
-  kl_BxT = jnp.sum(jnp.exp(logp_BxTxV) * (logp_BxTxV - logq_BxTxV), axis=-1)
-  mask_BxT = batch["loss_mask"]
-  return jnp.sum(jnp.where(mask_BxT, kl_BxT, 0.0)), jnp.sum(mask_BxT.astype(jnp.float32))
-
-
 def full_kl(teacher, student, store, batch_size: int) -> float:
   """Held-out KL(teacher || student) over the full vocabulary (the cache keeps only the top-k, so
   the "kl" of kdjax.evaluate is sum_topk p log(p / q), which a student can push below 0)."""
-  graphdefs, params = zip(*(nnx.split(m) for m in (teacher, student)))
-  kl, count = 0.0, 0.0
-  for start in range(0, store.num_seqs, batch_size):
-    rows = store.read(np.arange(start, min(start + batch_size, store.num_seqs)))
-    batch = {k: rows[k] for k in ("tokens", "positions", "segment_ids", "loss_mask")}
-    sums = _full_kl_sums(params, batch, graphdefs=graphdefs)
-    kl, count = kl + float(sums[0]), count + float(sums[1])
-  return kl / max(count, 1.0)
+  return evaluate.evaluate_online(student, teacher, store, batch_size=batch_size,
+                                  max_seqs=0)["full_kl"]
 
 
 def load_bf16(path: str) -> nnx.Module:

@@ -1,0 +1,177 @@
+"""How close the student gets to its teacher, by objective and k, against online full-vocabulary KL.
+
+    python experiments/fidelity.py [--seeds 0,1,2] [--ks 1,8,32,100] [--out runs/fidelity]
+        [--results experiments/results/fidelity.jsonl] [--variant smoke]
+
+On the demo (configs/demo.py; `--variant smoke` for its tiny CPU-test shapes): the demo's data and
+teacher (pre-trained here on hard labels) are made once in OUT/demo, then one cache per k
+(OUT/cache_k{k}: the same teacher's top-k), and the demo student is distilled (bf16 matmuls, the
+demo's steps and learning rate) under each cached objective ("sparse", "tail", "renorm") for
+every k, and under "online" (the teacher in the step, full-vocabulary KL), once per seed (model
+init and data order): the same data, steps and seeds everywhere. Then, for the cached objective
+with the lowest mean full KL at the largest k: temperature 2, and a hard-label CE mix
+(ce_weight 0.5), at that k.
+
+Each run is measured on the held-out split with the teacher run online
+(kdjax.evaluate.evaluate_online): `full_kl` KL(teacher || student) over the whole vocabulary,
+`top1` agreement, `ce` on the true tokens, `ece` (expected calibration error, 15 bins), and
+`bytes_per_position`, what its cache's top-k arrays take on disk per position (0 for online).
+One JSON line per run is appended to --results; the plot beside it (.png): full KL and CE against
+k, one line per objective (mean, seed range as error bars), online as a band.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # sibling scripts
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # kdjax, configs
+import demo_ab  # noqa: E402
+from kdjax import cache, evaluate, pipeline  # noqa: E402
+from kdjax.kernels import objectives  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fidelity.jsonl")
+METRICS = ("full_kl", "top1", "ce", "ece")
+
+
+def cache_for(prep, out: str, k: int) -> str:
+  """The demo teacher's top-k cache at OUT/cache_k{k} (kept when complete)."""
+  c = prep.copy_and_resolve_references()
+  c.stages = ("cache",)
+  c.cache.update(path=os.path.join(out, f"cache_k{k}"), k=k)
+  pipeline.run(c)
+  return c.cache.path
+
+
+def teacher_checkpoint(prep, teacher, out: str) -> str:
+  """The demo teacher as a Hugging Face checkpoint (OUT/teacher_hf, kept when present): how an
+  online run in its own workdir names its teacher (teacher.hf_path)."""
+  from kdjax.models import hf
+  path = os.path.join(out, "teacher_hf")
+  if not os.path.exists(os.path.join(path, "config.json")):
+    hf.export(teacher, teacher.cfg, path, tokenizer_dir=os.path.join(prep.workdir, "data"))
+  return path
+
+
+def bytes_per_position(cache_dir: str) -> float:
+  """Bytes on disk of the train cache's top-k arrays, per position."""
+  path = os.path.join(cache_dir, "train.zarr")
+  total = sum(os.path.getsize(os.path.join(root, name))
+              for array in ("topk_ids", "topk_logprobs")
+              for root, _, names in os.walk(os.path.join(path, array)) for name in names)
+  store = cache.open(path)
+  return total / (store.num_seqs * store.seq_len)
+
+
+def distil(prep, args, teacher, *, objective, k, seed, temperature=1.0, ce_weight=0.0) -> dict:
+  """One student distilled and measured online; its JSON line."""
+  name = f"{objective}_k{k}_t{temperature:g}_ce{ce_weight:g}_seed{seed}"
+  configs = []
+
+  def edit(c):
+    configs.append(c)
+    c.loss.update(objective=objective, temperature=temperature, ce_weight=ce_weight)
+    if objective == "online":
+      c.teacher.hf_path = teacher_checkpoint(prep, teacher, args.out)
+    else:
+      c.cache.update(path=cache_for(prep, args.out, k), k=k)
+
+  cached = demo_ab.distil(prep, args.out, name, seed, edit)
+  c = configs[0]
+  student = pipeline.finished_model(c, pipeline.Paths.from_config(c), "student", c.student,
+                                    c.opt)
+  eval_store = cache.open(os.path.join(prep.workdir, "data", "eval.zarr"))
+  online = evaluate.evaluate_online(student, teacher, eval_store,
+                                    batch_size=prep.eval.batch_size, max_seqs=prep.eval.max_seqs)
+  return {"objective": objective, "k": k if objective != "online" else None, "seed": seed,
+          "temperature": temperature, "ce_weight": ce_weight,
+          "teacher": f"demo{' ' + args.variant if args.variant else ''} (configs/demo.py, "
+                     "pre-trained here on hard labels)",
+          **{m: online[m if m != "top1" else "top1_agreement"] for m in METRICS},
+          "cached_kl": cached["kl"], "positions": online["positions"],
+          "bytes_per_position": (bytes_per_position(c.cache.path) if objective != "online"
+                                 else 0.0),
+          "commit": commit(), "date": today()}
+
+
+def commit() -> str:
+  return os.environ.get("KDJAX_COMMIT") or subprocess.run(
+      ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+      cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+
+
+def today() -> str:
+  import datetime
+  return datetime.date.today().isoformat()
+
+
+def plot(lines: list[dict], png: str):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  plain = [r for r in lines if r["temperature"] == 1.0 and r["ce_weight"] == 0.0]
+  for ax, metric, label in ((axes[0], "full_kl", "held-out full-vocabulary KL (nats)"),
+                            (axes[1], "ce", "held-out CE on the true tokens (nats)")):
+    online = [r[metric] for r in plain if r["objective"] == "online"]
+    if online:
+      ax.axhspan(min(online), max(online), color="0.85", label="online (seed range)")
+    for objective in objectives.OBJECTIVES:
+      ks = sorted({r["k"] for r in plain if r["objective"] == objective})
+      vals = [[r[metric] for r in plain if r["objective"] == objective and r["k"] == k]
+              for k in ks]
+      if ks:
+        mean = [np.mean(v) for v in vals]
+        err = [[m - min(v) for m, v in zip(mean, vals)], [max(v) - m for m, v in zip(mean, vals)]]
+        ax.errorbar(ks, mean, yerr=err, marker="o", capsize=3, label=objective)
+    ax.set(xscale="log", xlabel="k (cached entries per position)", ylabel=label)
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(png, dpi=100)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--seeds", default="0,1,2")
+  parser.add_argument("--ks", default="1,8,32,100")
+  parser.add_argument("--out", default="runs/fidelity")
+  parser.add_argument("--results", default=RESULTS)
+  parser.add_argument("--variant", default="", choices=["", "smoke"])
+  args = parser.parse_args()
+  seeds, ks = [int(s) for s in args.seeds.split(",")], [int(k) for k in args.ks.split(",")]
+  prep = demo_ab.prepare(args.out, args.variant)
+  teacher = pipeline.finished_model(prep, pipeline.Paths.from_config(prep), "teacher",
+                                    prep.teacher, prep.pretrain)
+  os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+  lines = []
+
+  def record(line):
+    lines.append(line)
+    with open(args.results, "a") as f:
+      f.write(json.dumps(line) + "\n")
+    print(" ".join(f"{key} {line[key]}" for key in ("objective", "k", "seed", "temperature",
+                                                     "ce_weight"))
+          + "".join(f"  {m} {line[m]:.4f}" for m in METRICS), flush=True)
+
+  for objective in objectives.OBJECTIVES:
+    for k in ks:
+      for seed in seeds:
+        record(distil(prep, args, teacher, objective=objective, k=k, seed=seed))
+  for seed in seeds:
+    record(distil(prep, args, teacher, objective="online", k=0, seed=seed))
+  top = max(ks)
+  mean_kl = {o: np.mean([r["full_kl"] for r in lines if r["objective"] == o and r["k"] == top])
+             for o in objectives.OBJECTIVES}
+  best = min(mean_kl, key=mean_kl.get)
+  for seed in seeds:
+    record(distil(prep, args, teacher, objective=best, k=top, seed=seed, temperature=2.0))
+    record(distil(prep, args, teacher, objective=best, k=top, seed=seed, ce_weight=0.5))
+  plot(lines, os.path.splitext(args.results)[0] + ".png")
+
+
+if __name__ == "__main__":
+  main()
