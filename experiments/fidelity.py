@@ -16,8 +16,10 @@ Each run is measured on the held-out split with the teacher run online
 (kdjax.evaluate.evaluate_online): `full_kl` KL(teacher || student) over the whole vocabulary,
 `top1` agreement, `ce` on the true tokens, `ece` (expected calibration error, 15 bins), and
 `bytes_per_position`, what its cache's top-k arrays take on disk per position (0 for online).
-One JSON line per run is appended to --results; the plot beside it (.png): full KL and CE against
-k, one line per objective (mean, seed range as error bars), online as a band.
+One JSON line per run is appended to --results; a run whose line is already there (same
+objective, k, seed, temperature, ce_weight and teacher) is not run again, so a stopped study
+resumes where it stopped. The plot beside it (.png): full KL and CE against k, one line per
+objective (mean, seed range as error bars), online as a band.
 """
 import argparse
 import json
@@ -88,13 +90,21 @@ def distil(prep, args, teacher, *, objective, k, seed, temperature=1.0, ce_weigh
                                     batch_size=prep.eval.batch_size, max_seqs=prep.eval.max_seqs)
   return {"objective": objective, "k": k if objective != "online" else None, "seed": seed,
           "temperature": temperature, "ce_weight": ce_weight,
-          "teacher": f"demo{' ' + args.variant if args.variant else ''} (configs/demo.py, "
-                     "pre-trained here on hard labels)",
+          "teacher": teacher_name(args),
           **{m: online[m if m != "top1" else "top1_agreement"] for m in METRICS},
           "cached_kl": cached["kl"], "positions": online["positions"],
           "bytes_per_position": (bytes_per_position(c.cache.path) if objective != "online"
                                  else 0.0),
           "commit": commit(), "date": today()}
+
+
+def teacher_name(args) -> str:
+  variant = f" {args.variant}" if args.variant else ""
+  return f"demo{variant} (configs/demo.py, pre-trained here on hard labels)"
+
+
+def run_key(line: dict) -> tuple:
+  return tuple(line[k] for k in ("objective", "k", "seed", "temperature", "ce_weight", "teacher"))
 
 
 def commit() -> str:
@@ -147,7 +157,20 @@ def main():
   teacher = pipeline.finished_model(prep, pipeline.Paths.from_config(prep), "teacher",
                                     prep.teacher, prep.pretrain)
   os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+  done = {}
+  if os.path.exists(args.results):
+    for line in map(json.loads, open(args.results)):
+      done[run_key(line)] = line
   lines = []
+
+  def run(**kw):
+    key = run_key({"objective": kw["objective"], "k": kw["k"] if kw["objective"] != "online"
+                   else None, "seed": kw["seed"], "temperature": kw.get("temperature", 1.0),
+                   "ce_weight": kw.get("ce_weight", 0.0), "teacher": teacher_name(args)})
+    if key in done:
+      lines.append(done[key])
+    else:
+      record(distil(prep, args, teacher, **kw))
 
   def record(line):
     lines.append(line)
@@ -160,16 +183,16 @@ def main():
   for objective in objectives.OBJECTIVES:
     for k in ks:
       for seed in seeds:
-        record(distil(prep, args, teacher, objective=objective, k=k, seed=seed))
+        run(objective=objective, k=k, seed=seed)
   for seed in seeds:
-    record(distil(prep, args, teacher, objective="online", k=0, seed=seed))
+    run(objective="online", k=0, seed=seed)
   top = max(ks)
   mean_kl = {o: np.mean([r["full_kl"] for r in lines if r["objective"] == o and r["k"] == top])
              for o in objectives.OBJECTIVES}
   best = min(mean_kl, key=mean_kl.get)
   for seed in seeds:
-    record(distil(prep, args, teacher, objective=best, k=top, seed=seed, temperature=2.0))
-    record(distil(prep, args, teacher, objective=best, k=top, seed=seed, ce_weight=0.5))
+    run(objective=best, k=top, seed=seed, temperature=2.0)
+    run(objective=best, k=top, seed=seed, ce_weight=0.5)
   plot(lines, os.path.splitext(args.results)[0] + ".png")
 
 
