@@ -24,7 +24,6 @@ objective (mean, seed range as error bars), online as a band.
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -32,6 +31,7 @@ import numpy as np
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # sibling scripts
                 os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # kdjax, configs
 import demo_ab  # noqa: E402
+import e2e_bench  # noqa: E402
 from kdjax import cache, evaluate, pipeline  # noqa: E402
 from kdjax.kernels import objectives  # noqa: E402
 
@@ -68,7 +68,8 @@ def bytes_per_position(cache_dir: str) -> float:
   return total / (store.num_seqs * store.seq_len)
 
 
-def distil(prep, args, teacher, *, objective, k, seed, temperature=1.0, ce_weight=0.0) -> dict:
+def distil(prep, args, teacher, caches, *, objective, k, seed, temperature=1.0,
+           ce_weight=0.0) -> dict:
   """One student distilled and measured online; its JSON line."""
   name = f"{objective}_k{k}_t{temperature:g}_ce{ce_weight:g}_seed{seed}"
   configs = []
@@ -79,7 +80,7 @@ def distil(prep, args, teacher, *, objective, k, seed, temperature=1.0, ce_weigh
     if objective == "online":
       c.teacher.hf_path = teacher_checkpoint(prep, teacher, args.out)
     else:
-      c.cache.update(path=cache_for(prep, args.out, k), k=k)
+      c.cache.update(path=caches[k], k=k)
 
   cached = demo_ab.distil(prep, args.out, name, seed, edit)
   c = configs[0]
@@ -95,7 +96,7 @@ def distil(prep, args, teacher, *, objective, k, seed, temperature=1.0, ce_weigh
           "cached_kl": cached["kl"], "positions": online["positions"],
           "bytes_per_position": (bytes_per_position(c.cache.path) if objective != "online"
                                  else 0.0),
-          "commit": commit(), "date": today()}
+          "commit": e2e_bench.commit(), "date": e2e_bench.today()}
 
 
 def teacher_name(args) -> str:
@@ -105,17 +106,6 @@ def teacher_name(args) -> str:
 
 def run_key(line: dict) -> tuple:
   return tuple(line[k] for k in ("objective", "k", "seed", "temperature", "ce_weight", "teacher"))
-
-
-def commit() -> str:
-  return os.environ.get("KDJAX_COMMIT") or subprocess.run(
-      ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-      cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-
-
-def today() -> str:
-  import datetime
-  return datetime.date.today().isoformat()
 
 
 def plot(lines: list[dict], png: str):
@@ -157,6 +147,7 @@ def main():
   teacher = pipeline.finished_model(prep, pipeline.Paths.from_config(prep), "teacher",
                                     prep.teacher, prep.pretrain)
   os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+  caches = {k: cache_for(prep, args.out, k) for k in ks}  # each loads the teacher once
   done = {}
   if os.path.exists(args.results):
     for line in map(json.loads, open(args.results)):
@@ -170,7 +161,7 @@ def main():
     if key in done:
       lines.append(done[key])
     else:
-      record(distil(prep, args, teacher, **kw))
+      record(distil(prep, args, teacher, caches, **kw))
 
   def record(line):
     lines.append(line)
