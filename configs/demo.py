@@ -8,6 +8,8 @@ top-100 -> distil a 4x smaller student -> train the same student on hard labels 
 Prints a report: the student's KL to the teacher and held-out cross-entropy before and after
 distillation, next to the hard-label student. Outputs in runs/demo/; the student as a Hugging Face
 checkpoint in runs/demo/export/.
+Variants: configs/demo.py:smoke (tiny shapes, for tests), configs/demo.py:large (a 27M-parameter
+teacher on 6 MB of the corpus, the same student; for a GPU: experiments/fidelity.py).
 """
 from kdjax import config
 
@@ -40,6 +42,15 @@ def get_config(variant: str = ""):
     c.opt.update(steps=6, batch_size=4, warmup_steps=2, log_every=2, ckpt_every=3)
     c.cache.k = 16
     c.loss.chunk_size = 64
+  elif variant == "large":  # a teacher 11x the demo's (27M parameters), for one GPU (fidelity)
+    c.workdir = "runs/demo_large"
+    c.data.max_bytes = 6_000_000
+    c.teacher.update(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64, d_ff=1536,
+                     dtype="bfloat16")
+    c.pretrain.update(lr=1e-3, steps=1500, batch_size=32, warmup_steps=100, ckpt_every=500,
+                      log_every=50)
+    c.cache.batch_size = 64
   elif variant:
-    raise ValueError(f"unknown variant {variant!r}; use configs/demo.py or configs/demo.py:smoke")
+    raise ValueError(f"unknown variant {variant!r}; use configs/demo.py, configs/demo.py:smoke "
+                     f"or configs/demo.py:large")
   return c

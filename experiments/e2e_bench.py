@@ -167,10 +167,10 @@ def print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, o
   micro = {k: v[0] for k, v in batch.items()}
   kw = dict(graphdef=graphdef, loss=loss, max_documents=attention.documents_bound(
       batch["segment_ids"]))
-  _, metrics = jax.eval_shape(functools.partial(train.grad_step, **kw), state["params"],
+  _, metrics = jax.eval_shape(functools.partial(train.grad_step, **kw), train.trained(state),
                               grads_sum, micro)
   programs = {
-      "grad_step": train.grad_step.lower(state["params"], grads_sum, micro, **kw),
+      "grad_step": train.grad_step.lower(train.trained(state), grads_sum, micro, **kw),
       "apply_step": train.apply_step.lower(state, grads_sum, [metrics] * accum, tx=tx,
                                            state_memory=opt.state_memory)}
   plan = {}
@@ -204,13 +204,13 @@ def run_teacher(args) -> dict:
   graphdef, state = nnx.split(model)
   rows = data.read(np.arange(batch_size))
   inputs = [rows[name] for name in ("tokens", "positions", "segment_ids")]
-  kw = dict(k=k, chunk_size=chunk, vocab_size=vocab,
+  kw = dict(k=k, chunk_size=chunk, vocab_size=vocab, hidden=False,
             max_documents=attention.documents_bound(rows["segment_ids"]))
-  jax.block_until_ready(teacher._teacher_step(graphdef, state, *inputs, **kw))  # compiles
+  jax.block_until_ready(teacher._teacher_step(graphdef, state, None, *inputs, **kw))  # compiles
   times = []
   for _ in range(5):
     t0 = time.perf_counter()
-    jax.block_until_ready(teacher._teacher_step(graphdef, state, *inputs, **kw))
+    jax.block_until_ready(teacher._teacher_step(graphdef, state, None, *inputs, **kw))
     times.append(time.perf_counter() - t0)
   device_tok_s = batch_size * seq_len / float(np.median(times))
   print(f"teacher step alone: {device_tok_s:,.0f} tokens/s", flush=True)

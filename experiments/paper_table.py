@@ -93,17 +93,18 @@ def online_kl(hidden_BxTxD, lm_head_DxV, teacher_hidden_BxTxD, teacher_head_DxV,
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "teacher_graphdef", "method",
                                              "max_documents"), donate_argnames="grads_sum")
-def baseline_grad_step(params, grads_sum, batch, teacher_params, *, graphdef, teacher_graphdef,
-                       method, max_documents):
-  """grad_step of the three baselines: the student's gradients added into the donated sum."""
+def baseline_grad_step(trained_params, grads_sum, batch, teacher_params, *, graphdef,
+                       teacher_graphdef, method, max_documents):
+  """grad_step of the three baselines: the student's gradients (of train.trained's dict) added
+  into the donated sum."""
   inputs = (batch["tokens"], batch["positions"], batch["segment_ids"], max_documents)
   if method == "online":
     teacher = nnx.merge(teacher_graphdef, teacher_params)
     teacher_hidden = jax.lax.stop_gradient(teacher(*inputs))
     teacher_head = jax.lax.stop_gradient(teacher.lm_head_DxV())
 
-  def loss(params):
-    model = nnx.merge(graphdef, params)
+  def loss(trained_params):
+    model = nnx.merge(graphdef, trained_params["params"])
     hidden = model(*inputs)
     head = model.lm_head_DxV().astype(hidden.dtype)
     if method == "online":
@@ -111,7 +112,7 @@ def baseline_grad_step(params, grads_sum, batch, teacher_params, *, graphdef, te
     fn = dense_kl if method == "dense" else chunked_kl
     return fn(hidden, head, batch["topk_ids"], batch["topk_logprobs"], batch["loss_mask"])
 
-  value, grads = jax.value_and_grad(loss)(params)
+  value, grads = jax.value_and_grad(loss)(trained_params)
   grads_sum = jax.tree.map(lambda s, g: (s.astype(jnp.float32) + g).astype(s.dtype),
                            grads_sum, grads)
   return grads_sum, {"loss": value}
@@ -145,21 +146,21 @@ def run(method: str, args) -> dict:
   def micro(b):
     nonlocal grads_sum
     if method == "ours":
-      grads_sum, metrics = train.grad_step(state["params"], grads_sum, b, graphdef=graphdef,
+      grads_sum, metrics = train.grad_step(train.trained(state), grads_sum, b, graphdef=graphdef,
                                            loss=loss, max_documents=bound)
     else:
       grads_sum, metrics = baseline_grad_step(
-          state["params"], grads_sum, b, teacher_params, graphdef=graphdef,
+          train.trained(state), grads_sum, b, teacher_params, graphdef=graphdef,
           teacher_graphdef=teacher_graphdef, method=method, max_documents=bound)
     return metrics
 
   if args.plan:  # XLA's memory plan of one micro-step (GiB), no run
     if method == "ours":
-      lowered = train.grad_step.lower(state["params"], grads_sum, batches[0], graphdef=graphdef,
-                                      loss=loss, max_documents=bound)
+      lowered = train.grad_step.lower(train.trained(state), grads_sum, batches[0],
+                                      graphdef=graphdef, loss=loss, max_documents=bound)
     else:
       lowered = baseline_grad_step.lower(
-          state["params"], grads_sum, batches[0], teacher_params, graphdef=graphdef,
+          train.trained(state), grads_sum, batches[0], teacher_params, graphdef=graphdef,
           teacher_graphdef=teacher_graphdef, method=method, max_documents=bound)
     m = lowered.compile().memory_analysis()
     return {"method": method, "kind": "plan", "micro_step_temp_gib": m.temp_size_in_bytes / 2**30,

@@ -96,6 +96,11 @@ def base() -> ml_collections.ConfigDict:
   c.cache.chunk_size = 128  # positions per teacher lm_head chunk (bounds [B, C, V] logits)
   c.cache.rank = 0  # this writer's index: several processes/hosts write disjoint regions
   c.cache.world = 1  # number of writers (rank r writes regions r, r + world, ...)
+  # Also cache the teacher's final hidden states (bf16, train split) for loss.hidden_weight:
+  # 2 * hidden_dim bytes per position before compression; hidden_dim 0 = the teacher's width,
+  # smaller = a fixed random projection to that width (kdjax/teacher.py)
+  c.cache.hidden_states = False
+  c.cache.hidden_dim = 0
 
   c.loss = ml_collections.ConfigDict()
   # "sparse" (paper), "tail" (+ one bucket for 1 - top-k mass), "renorm" (top-k renormalised);
@@ -104,6 +109,10 @@ def base() -> ml_collections.ConfigDict:
   c.loss.objective = "sparse"
   c.loss.temperature = 1.0  # softening; see kdjax.kernels for the exact definition
   c.loss.ce_weight = 0.0  # weight of hard-label cross-entropy mixed into the distillation loss
+  # Weight of the hidden-state term: squared error between the student's final hidden states
+  # (through a learned projection when widths differ) and the teacher's cached ones, over the
+  # teacher's squared norm (scale-free; kdjax/kernels/hidden.py); needs cache.hidden_states
+  c.loss.hidden_weight = 0.0
   # "auto" (pallas on GPU, xla on CPU), "xla", "pallas", "pallas_exact", "paper", "reference"
   c.loss.impl = "auto"
   c.loss.chunk_size = 0  # positions per loss chunk (bounds the [C, V] working set); 0: automatic
@@ -179,6 +188,14 @@ def validate(c: ml_collections.ConfigDict):
   _require(c.loss.impl in IMPLS, f"loss.impl must be one of {IMPLS}, got {c.loss.impl!r}")
   _require(c.loss.temperature > 0, f"loss.temperature must be > 0, got {c.loss.temperature}")
   _require(c.loss.ce_weight >= 0, f"loss.ce_weight must be >= 0, got {c.loss.ce_weight}")
+  _require(c.cache.hidden_dim >= 0,
+           f"cache.hidden_dim must be >= 0 (0: the teacher's width), got {c.cache.hidden_dim}")
+  _require(c.loss.hidden_weight >= 0,
+           f"loss.hidden_weight must be >= 0, got {c.loss.hidden_weight}")
+  _require(not c.loss.hidden_weight or (c.cache.hidden_states and c.loss.objective != "online"),
+           f"loss.hidden_weight = {c.loss.hidden_weight} matches the teacher's cached hidden "
+           f"states: set cache.hidden_states=True (and a cached objective, not 'online'), or "
+           f"loss.hidden_weight=0")
   _require(c.loss.chunk_size >= 0,
            f"loss.chunk_size must be >= 0 (0: sized by the kernel), got {c.loss.chunk_size}")
   _require(c.loss.dw_dtype in DTYPES,

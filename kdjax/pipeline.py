@@ -142,11 +142,14 @@ def stage_cache(c, paths: Paths):
                c.teacher.hf_path or os.path.join(paths.run("teacher"), "ckpt")),
            "tokenizer_hash": tokenizer.tokenizer_hash(load_tokenizer(c, paths)),
            "source": c.data.source}
+  # Hidden states only where a loss reads them: the train split.
+  hidden_dim = (c.cache.hidden_dim or model.cfg.d_model) if c.cache.hidden_states else 0
   for split in ("train", "eval"):
     teacher.write_cache(model, cache.open(paths.data(split)), paths.cache(split), k=c.cache.k,
                         batch_size=c.cache.batch_size, chunk_size=c.cache.chunk_size,
                         vocab_size=model.lm_head_DxV().shape[1], attrs=attrs,
-                        layout=c.cache.layout, rank=c.cache.rank, world=c.cache.world)
+                        layout=c.cache.layout, rank=c.cache.rank, world=c.cache.world,
+                        hidden_dim=hidden_dim if split == "train" else 0)
 
 
 def student_tokenizer_hash(c, paths: Paths) -> str:
@@ -160,7 +163,8 @@ def open_cache(c, paths: Paths, split: str):
   """Opens a cache for a student of config `cfg`, refusing any mismatch with what it expects."""
   tok_hash = student_tokenizer_hash(c, paths)
   return lambda cfg: cache.open(paths.cache(split), vocab_size=cfg.output_vocab_size,
-                                k=c.cache.k, seq_len=c.data.seq_len, tokenizer_hash=tok_hash)
+                                k=c.cache.k, seq_len=c.data.seq_len, tokenizer_hash=tok_hash,
+                                hidden=split == "train" and c.loss.hidden_weight > 0)
 
 
 def stage_train(c, paths: Paths):

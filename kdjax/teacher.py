@@ -1,6 +1,12 @@
 """Runs the teacher over a tokenised data store and writes its top-k log-probs to a cache.
 
-Shape letters: B batch, T positions, D model width, V vocabulary, K top-k, C chunk of positions.
+Shape letters: B batch, T positions, D model width, V vocabulary, K top-k, C chunk of positions,
+H width of the cached hidden states.
+
+Optionally the teacher's final hidden states (after the final norm: what its lm_head reads) are
+cached beside the top-k, in bf16, for the hidden-state loss term (kdjax.kernels.hidden): whole
+(H = D), or through a fixed random projection to H < D columns (hidden_projection_DxH), which
+keeps inner products and distances on average while the cache stores H / D of the bytes.
 
 The teacher's [B, T, V] logits never exist at once: positions are processed in chunks of C, each
 projected through the lm_head in float32, normalised over the full vocabulary and reduced to its
@@ -24,6 +30,14 @@ from kdjax.cache import failpoints
 from kdjax.models import attention
 
 _TOKEN_ARRAYS = ("tokens", "segment_ids", "positions", "loss_mask")
+HIDDEN_PROJECTION_SEED = 0  # recorded in the cache's attributes with the projection
+
+
+def hidden_projection_DxH(width, hidden_dim, seed=HIDDEN_PROJECTION_SEED):
+  """The fixed random projection of cached hidden states [D, H]: N(0, 1/H) entries, so a
+  projected vector keeps its squared norm on average (Johnson-Lindenstrauss)."""
+  return jax.random.normal(jax.random.key(seed), (width, hidden_dim), jnp.float32) / np.sqrt(
+      hidden_dim)
 
 
 def topk_logprobs(hidden_BxTxD, lm_head_DxV, *, k, chunk_size):
@@ -49,9 +63,11 @@ def topk_logprobs(hidden_BxTxD, lm_head_DxV, *, k, chunk_size):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "k", "chunk_size", "vocab_size",
-                                             "max_documents"))
-def _teacher_step(graphdef, state, tokens_BxT, positions_BxT, segment_ids_BxT, *, k, chunk_size,
-                  vocab_size, max_documents):
+                                             "max_documents", "hidden"))
+def _teacher_step(graphdef, state, projection_DxH, tokens_BxT, positions_BxT, segment_ids_BxT, *,
+                  k, chunk_size, vocab_size, max_documents, hidden):
+  """Top-k ids and log-probs [B, T, K], and with `hidden` the final hidden states [B, T, H] in
+  bf16 (projected when projection_DxH is not None), else None."""
   model = nnx.merge(graphdef, state)
   hidden_BxTxD = model(tokens_BxT, positions_BxT, segment_ids_BxT, max_documents)
   # Models may pad their vocabulary for speed; rows past the tokenizer's vocabulary are never
@@ -63,11 +79,16 @@ def _teacher_step(graphdef, state, tokens_BxT, positions_BxT, segment_ids_BxT, *
   pad_BxTx1 = (segment_ids_BxT == 0)[..., None]
   ids_BxTxK = jnp.where(pad_BxTx1, jnp.arange(k, dtype=jnp.int32), ids_BxTxK)
   logprobs_BxTxK = jnp.where(pad_BxTx1, -np.log(vocab_size).astype(np.float32), logprobs_BxTxK)
-  return ids_BxTxK, logprobs_BxTxK
+  if not hidden:
+    return ids_BxTxK, logprobs_BxTxK, None
+  if projection_DxH is not None:
+    hidden_BxTxD = jnp.einsum("btd,dh->bth", hidden_BxTxD, projection_DxH.astype(
+        hidden_BxTxD.dtype), preferred_element_type=jnp.float32)
+  return ids_BxTxK, logprobs_BxTxK, jnp.where(pad_BxTx1, 0, hidden_BxTxD).astype(jnp.bfloat16)
 
 
 def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, vocab_size, attrs,
-                layout="float32", rank=0, world=1, region_rows=None):
+                layout="float32", rank=0, world=1, region_rows=None, hidden_dim=0):
   """Writes (or resumes) the teacher cache of `data_store` at `cache_path`; returns the store.
 
   Args:
@@ -83,11 +104,13 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
     layout: "float32" or "compact" (see kdjax/cache/layout.py).
     rank, world: this process writes the regions r with r % world == rank.
     region_rows: rows per region; default the data store's.
+    hidden_dim: 0, or also cache the final hidden states: H = the teacher's width D whole, else a
+      fixed random projection to H columns (its seed in the cache's attributes).
   Raises:
     CacheError: bad k or vocabulary, another writer of this rank running, a store of another
       spec at cache_path, a full disk; the message says what to do.
   """
-  model_vocab = jax.eval_shape(model.lm_head_DxV).shape[-1]
+  width, model_vocab = jax.eval_shape(model.lm_head_DxV).shape
   if model_vocab < vocab_size:
     raise cache.CacheError(f"teacher lm_head has {model_vocab} columns, fewer than the "
                            f"vocabulary ({vocab_size}): wrong teacher or tokenizer.")
@@ -97,26 +120,32 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
                            f"to at most {vocab_size}; nothing was written to {cache_path}.")
   attrs = {**attrs, "data": {key: value for key, value in data_store.attrs.items()
                              if key != "created"}}
+  projection_DxH = None
+  if hidden_dim and hidden_dim != width:
+    attrs["hidden_projection"] = {"from_width": width, "seed": HIDDEN_PROJECTION_SEED,
+                                  "kind": "gaussian N(0, 1/H), kdjax.teacher"}
+    projection_DxH = hidden_projection_DxH(width, hidden_dim)
   for key in ("tokenizer_hash", "source"):
     if key in data_store.attrs:
       attrs.setdefault(key, data_store.attrs[key])
   store = cache.create(cache_path, num_seqs=data_store.num_seqs, seq_len=data_store.seq_len, k=k,
                        vocab_size=vocab_size, attrs=attrs, layout=layout,
-                       region_rows=region_rows or data_store.region_rows)
+                       region_rows=region_rows or data_store.region_rows, hidden_dim=hidden_dim)
   with store.writer_lock(rank):
     failpoints.hit("locked")
-    _write_regions(store, data_store, store.missing(rank, world), model, k=k,
+    _write_regions(store, data_store, store.missing(rank, world), model, projection_DxH, k=k,
                    batch_size=batch_size, chunk_size=chunk_size, vocab_size=vocab_size,
                    desc=f"teacher {rank}/{world}")
   return store
 
 
-def _write_regions(store, data_store, todo, model, *, k, batch_size, chunk_size, vocab_size,
-                   desc):
+def _write_regions(store, data_store, todo, model, projection_DxH, *, k, batch_size, chunk_size,
+                   vocab_size, desc):
   """Computes and writes the rows of `todo` [(start, stop)], region by region."""
   graphdef, state = nnx.split(model)
-  step = functools.partial(_teacher_step, graphdef, state, k=k, chunk_size=chunk_size,
-                           vocab_size=vocab_size)
+  step = functools.partial(_teacher_step, graphdef, state, projection_DxH, k=k,
+                           chunk_size=chunk_size, vocab_size=vocab_size,
+                           hidden=store.hidden_dim > 0)
   total = sum(stop - start for start, stop in todo) * store.seq_len
   # One writer thread: region r is encoded and written while the device computes region r + 1.
   # A region is recorded complete only after its write, so a crash anywhere loses at most the
@@ -131,15 +160,16 @@ def _write_regions(store, data_store, todo, model, *, k, batch_size, chunk_size,
       outputs = [step(*(_pad_rows(rows[name][lo:lo + batch_size], batch_size)
                         for name in ("tokens", "positions", "segment_ids")), max_documents=bound)
                  for lo in range(0, stop - start, batch_size)]  # dispatched, not awaited
-      ids, logprobs = [], []
-      for lo, (batch_ids, batch_logprobs) in zip(range(0, stop - start, batch_size), outputs):
-        ids.append(np.asarray(batch_ids))
-        logprobs.append(np.asarray(batch_logprobs))
+      parts = {"topk_ids": [], "topk_logprobs": [], "hidden": []}
+      for lo, batch_outputs in zip(range(0, stop - start, batch_size), outputs):
+        for part, x in zip(parts.values(), batch_outputs):
+          part.append(x if x is None else np.asarray(x))
         bar.update((min(lo + batch_size, stop - start) - lo) * store.seq_len)
         failpoints.hit("batch")
       out = {name: rows[name] for name in _TOKEN_ARRAYS}
-      out["topk_ids"] = np.concatenate(ids)[:stop - start]
-      out["topk_logprobs"] = np.concatenate(logprobs)[:stop - start]
+      for name, part in parts.items():
+        if name in store.dtypes:
+          out[name] = np.concatenate(part)[:stop - start]
       if pending is not None:
         pending.result()
       pending = writer.submit(store.write, start, out)

@@ -7,7 +7,13 @@ plain data store and takes the full-vocabulary KL (kdjax.kernels.full_kl). Hard-
 same loss with a one-hot "teacher": K = 1, id = next token, log-prob 0, for which the sparse KL
 is exactly the cross-entropy. One code path for both.
 
-Shapes: A micro-batches per optimizer step, B sequences, T positions, K top-k, D width, V vocab.
+With loss.hidden_weight > 0 the cache also holds the teacher's final hidden states, and their
+normalised squared distance to the student's (kdjax.kernels.hidden) is added to the loss; when
+the widths differ, a learned projection [D, H] is trained beside the model (state["hidden_proj"],
+never exported).
+
+Shapes: A micro-batches per optimizer step, B sequences, T positions, K top-k, D width, V vocab,
+H width of the cached hidden states.
 """
 import dataclasses
 import functools
@@ -26,7 +32,7 @@ from flax import nnx
 
 from kdjax import cache, kernels, tensorboard
 from kdjax.cache import durable
-from kdjax.kernels import full_kl, objectives
+from kdjax.kernels import full_kl, hidden, objectives
 from kdjax.checkpoints import Checkpoints
 from kdjax.data.packing import next_token_labels
 from kdjax.models import attention, llama
@@ -36,6 +42,7 @@ PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H1
               "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12}
 
 STATE_MEMORIES = ("device", "host")  # where AdamW's moments live between updates
+TRAINED = ("params", "hidden_proj")  # the state's entries the optimizer updates (when present)
 # The cached objectives (kdjax.kernels.objectives) and "online": the teacher in the step.
 OBJECTIVES = objectives.OBJECTIVES + ("online",)
 
@@ -57,13 +64,14 @@ class LossSettings:
   chunk_size: int
   dw_dtype: str
   position_metrics: bool = True
+  hidden_weight: float = 0.0
 
   @classmethod
   def from_config(cls, g, hard_labels: bool) -> "LossSettings":
     if hard_labels:  # one-hot teacher: sparse KL == cross-entropy; see the module docstring
       return cls("sparse", 1.0, 0.0, g.impl, g.chunk_size, g.dw_dtype, g.position_metrics)
     return cls(g.objective, g.temperature, g.ce_weight, g.impl, g.chunk_size, g.dw_dtype,
-               g.position_metrics)
+               g.position_metrics, g.hidden_weight)
 
 
 def make_optimizer(g) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -97,8 +105,14 @@ def _stored_as(tx: optax.GradientTransformation, dtype: str) -> optax.GradientTr
   return optax.GradientTransformation(init, update)
 
 
+def trained(state: dict) -> dict:
+  """What the optimizer updates: {"params": the model's, "hidden_proj": [D, H] if trained}."""
+  return {name: state[name] for name in TRAINED if name in state}
+
+
 def to_step_batch(rows: dict, accum_steps: int, hard_labels: bool) -> dict:
-  """Host rows [A*B, ...] -> the step's arrays [A, B, ...]; adds labels (and a one-hot teacher)."""
+  """Host rows [A*B, ...] -> the step's arrays [A, B, ...]; adds labels (and a one-hot teacher).
+  A cache's hidden states ([A*B, T, H]) come along when the rows hold them."""
   labels = next_token_labels(rows["tokens"])
   batch = {
       "tokens": rows["tokens"], "positions": rows["positions"],
@@ -109,6 +123,8 @@ def to_step_batch(rows: dict, accum_steps: int, hard_labels: bool) -> dict:
   elif "topk_ids" in rows:  # a cache; a data store's rows (objective "online") have no top-k
     batch["topk_ids"] = rows["topk_ids"]
     batch["topk_logprobs"] = rows["topk_logprobs"]
+    if "hidden" in rows:
+      batch["hidden"] = rows["hidden"]
   return {k: v.reshape((accum_steps, -1) + v.shape[1:]) for k, v in batch.items()}
 
 
@@ -118,15 +134,26 @@ def _masked_means(terms: dict, mask_BxT) -> dict:
   return {k: jnp.sum(mask_BxT * v) / count for k, v in terms.items()}
 
 
-def loss_fn(params, graphdef, batch, loss: LossSettings, max_documents: int):
-  """The micro-batch's loss and metrics; objective "online" reads the teacher's outputs from the
-  batch (teacher_hidden, teacher_head: see grad_step)."""
-  model = nnx.merge(graphdef, params)
+def loss_fn(trained_params, graphdef, batch, loss: LossSettings, max_documents: int):
+  """The micro-batch's loss and metrics. trained_params: see `trained`. Objective "online" reads
+  the teacher's outputs from the batch (teacher_hidden, teacher_head: see grad_step)."""
+  model = nnx.merge(graphdef, trained_params["params"])
   inputs = (batch["tokens"], batch["positions"], batch["segment_ids"], max_documents)
   hidden_BxTxD = model(*inputs)
   # The loss matmuls run in the compute dtype (bf16 at scale) with f32 accumulation; an f32
   # lm_head would make all three run in f32. Its gradient flows back to the f32 parameters.
   lm_head_DxV = model.lm_head_DxV().astype(hidden_BxTxD.dtype)
+  value, metrics = _distillation_loss(hidden_BxTxD, lm_head_DxV, batch, loss)
+  if loss.hidden_weight:
+    nmse = hidden.hidden_nmse(hidden_BxTxD, batch["hidden"], batch["loss_mask"],
+                              trained_params.get("hidden_proj"))
+    value = value + loss.hidden_weight * nmse
+    metrics["hidden_nmse"] = jax.lax.stop_gradient(nmse)
+  return value, metrics
+
+
+def _distillation_loss(hidden_BxTxD, lm_head_DxV, batch, loss: LossSettings):
+  """The KL objective (plus CE mix) on the lm_head, and its metrics."""
   if loss.objective == "online":
     value, terms = full_kl.full_kl_loss(
         hidden_BxTxD, lm_head_DxV, batch["teacher_hidden"], batch["teacher_head"],
@@ -151,9 +178,10 @@ def loss_fn(params, graphdef, batch, loss: LossSettings, max_documents: int):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "loss", "max_documents",
                                              "teacher_graphdef"), donate_argnames="grads_sum")
-def grad_step(params, grads_sum, batch_BxT, teacher_params=None, *, graphdef, loss: LossSettings,
-              max_documents: int, teacher_graphdef=None):
-  """One micro-batch: its gradients added into the donated running sum, and its metrics.
+def grad_step(trained_params, grads_sum, batch_BxT, teacher_params=None, *, graphdef,
+              loss: LossSettings, max_documents: int, teacher_graphdef=None):
+  """One micro-batch: its gradients (of trained_params, see `trained`) added into the donated
+  running sum, and its metrics.
   teacher_params / teacher_graphdef: the teacher run in the step (objective "online" only).
 
   The sum is updated in place, so gradient accumulation holds one gradient buffer whatever the
@@ -166,7 +194,7 @@ def grad_step(params, grads_sum, batch_BxT, teacher_params=None, *, graphdef, lo
     batch_BxT = {**batch_BxT, "teacher_hidden": hidden_BxTxD,
                  "teacher_head": teacher.lm_head_DxV().astype(hidden_BxTxD.dtype)}
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  (value, metrics), grads = grad_fn(params, graphdef, batch_BxT, loss, max_documents)
+  (value, metrics), grads = grad_fn(trained_params, graphdef, batch_BxT, loss, max_documents)
   # Each gradient is rounded once into the sum's dtype (opt.accum_dtype).
   grads_sum = jax.tree.map(lambda s, g: (s.astype(jnp.float32) + g).astype(s.dtype),
                            grads_sum, grads)
@@ -184,24 +212,28 @@ def apply_step(state, grads_sum, metrics_A: list, *, tx, state_memory: str):
   opt = state["opt"]
   if state_memory == "host":  # AdamW's moments visit the device for this update only
     opt = jax.device_put(opt, jax.memory.Space.Device)
-  updates, opt = tx.update(grads, opt, state["params"])
+  updates, opt = tx.update(grads, opt, trained(state))
   if state_memory == "host":
     opt = jax.device_put(opt, jax.memory.Space.Host)
-  params = optax.apply_updates(state["params"], updates)
+  new = optax.apply_updates(trained(state), updates)
   metrics = {k: jnp.mean(jnp.stack([m[k] for m in metrics_A])) for k in metrics_A[0]}
   metrics["grad_norm"] = optax.tree.norm(grads)
   zeros = jax.tree.map(jnp.zeros_like, grads_sum)
-  return {"params": params, "opt": opt, "step": state["step"] + 1}, metrics, zeros
+  return {**new, "opt": opt, "step": state["step"] + 1}, metrics, zeros
 
 
-def init_state(params, tx, opt_cfg):
-  """Train state and the zeroed gradient sum, each where and in the dtype the config says."""
-  opt = tx.init(params)
+def init_state(params, tx, opt_cfg, hidden_proj=None):
+  """Train state and the zeroed gradient sum (of `trained`), each where and in the dtype the
+  config says. hidden_proj: the learned projection [D, H] of the hidden-state term, or None."""
+  train_params = {"params": params}
+  if hidden_proj is not None:
+    train_params["hidden_proj"] = hidden_proj
+  opt = tx.init(train_params)
   if opt_cfg.state_memory == "host":
     opt = jax.device_put(opt, jax.sharding.SingleDeviceSharding(jax.devices()[0],
                                                                 memory_kind="pinned_host"))
-  grads_sum = jax.tree.map(lambda p: jnp.zeros(p.shape, opt_cfg.accum_dtype), params)
-  return {"params": params, "opt": opt, "step": jnp.zeros((), jnp.int32)}, grads_sum
+  grads_sum = jax.tree.map(lambda p: jnp.zeros(p.shape, opt_cfg.accum_dtype), train_params)
+  return {**train_params, "opt": opt, "step": jnp.zeros((), jnp.int32)}, grads_sum
 
 
 def train_step(state, grads_sum, batch_AxB: dict, *, graphdef, tx, loss: LossSettings,
@@ -214,7 +246,7 @@ def train_step(state, grads_sum, batch_AxB: dict, *, graphdef, tx, loss: LossSet
   metrics_A = []
   for a in range(next(iter(batch_AxB.values())).shape[0]):
     micro_BxT = {k: v[a] for k, v in batch_AxB.items()}
-    grads_sum, metrics = grad_step(state["params"], grads_sum, micro_BxT,
+    grads_sum, metrics = grad_step(trained(state), grads_sum, micro_BxT,
                                    None if teacher is None else teacher[1], graphdef=graphdef,
                                    loss=loss, max_documents=max_documents,
                                    teacher_graphdef=None if teacher is None else teacher[0])
@@ -263,6 +295,19 @@ def _keep_metrics_until(path: str, step: int):
   durable.write_text(path, "".join(kept))
 
 
+def _hidden_projection(loss: LossSettings, model_cfg: llama.ModelConfig, store, seed: int):
+  """The learned projection [D, H] of the hidden-state term, initialised N(0, 1/D) (so it keeps
+  a vector's squared norm on average), when the term is on and the widths differ; else None."""
+  if not loss.hidden_weight:
+    return None
+  store.require_hidden()
+  if store.hidden_dim == model_cfg.d_model:
+    return None
+  key = jax.random.key(seed + 1)  # not the model's initialisation stream
+  return jax.random.normal(key, (model_cfg.d_model, store.hidden_dim), jnp.float32) / np.sqrt(
+      model_cfg.d_model)
+
+
 def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, workdir: str,
         opt, loss_cfg, hard_labels: bool, seed: int, teacher: nnx.Module | None = None
         ) -> nnx.Module:
@@ -277,9 +322,10 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
   tx, schedule = make_optimizer(opt)
   loss = LossSettings.from_config(loss_cfg, hard_labels)
   graphdef, params = nnx.split(model)
-  state, grads_sum = init_state(params, tx, opt)
+  state, grads_sum = init_state(params, tx, opt, _hidden_projection(loss, model_cfg, store, seed))
   loader = cache.Loader(store, opt.batch_size * opt.accum_steps, seed=seed, shuffle=True,
-                        prefetch=opt.loader_prefetch, workers=opt.loader_workers or None)
+                        prefetch=opt.loader_prefetch, workers=opt.loader_workers or None,
+                        hidden=loss.hidden_weight > 0)
   ckpt = Checkpoints(os.path.join(workdir, "ckpt"), model_cfg, keep=opt.keep_checkpoints)
   start = ckpt.latest_step() or 0
   metrics_path = os.path.join(workdir, "metrics.jsonl")

@@ -101,7 +101,8 @@ def test_a_store_without_the_checksum_opens_with_a_warning(store_and_rows, caplo
     cache.open(store.path)
   set_attr(store.path, "logprob_scale", 2.0**-11)
   set_attr(store.path, "layout", "float32")
-  with pytest.raises(cache.CacheError, match=r"dtypes = .* but k, vocab_size and layout make"):
+  with pytest.raises(cache.CacheError,
+                     match=r"dtypes = .* but k, vocab_size, layout and hidden_dim make"):
     cache.open(store.path)
 
 

@@ -75,19 +75,23 @@ def test_pipeline_bench_smoke(tmp_path):
   assert result["eval"]["student"]["positions"] > 0
 
 
-@pytest.mark.slow  # about 70 s: six tiny students
+@pytest.mark.slow  # about 100 s: eight tiny students
 def test_fidelity_smoke(tmp_path):
   """The fidelity study end to end on the demo's smoke shapes, one k and one seed: every
-  objective, online, and the best objective's temperature-2 and CE-mix arms, as JSON lines."""
+  objective, online, and the best objective's temperature-2, CE-mix and hidden-state arms, as
+  JSON lines."""
   out = tmp_path / "fidelity.jsonl"
   proc = run(["experiments/fidelity.py", "--variant", "smoke", "--seeds", "0", "--ks", "4",
               "--out", str(tmp_path / "runs"), "--results", str(out)], timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = [json.loads(line) for line in out.read_text().splitlines()]
   assert [r["objective"] for r in lines[:4]] == ["sparse", "tail", "renorm", "online"]
-  assert {(r["temperature"], r["ce_weight"]) for r in lines[4:]} == {(2.0, 0.0), (1.0, 0.5)}
+  # the best objective's arms: temperature 2, CE mix, hidden states whole (64) and projected (16)
+  assert {(r["temperature"], r["ce_weight"], r["hidden_dim"]) for r in lines[4:]} == {
+      (2.0, 0.0, 0), (1.0, 0.5, 0), (1.0, 0.0, 64), (1.0, 0.0, 16)}
   for r in lines:
     assert {"objective", "k", "seed", "teacher", "full_kl", "top1", "ce", "ece",
             "bytes_per_position"} <= set(r) and r["full_kl"] > 0 and 0 <= r["ece"] <= 1
   assert lines[0]["bytes_per_position"] > 0 and lines[3]["bytes_per_position"] == 0
-  assert (tmp_path / "fidelity.png").exists()
+  assert lines[-1]["hidden_bytes_per_position"] > 0
+  assert (tmp_path / "fidelity_smoke.png").exists()

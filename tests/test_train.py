@@ -242,7 +242,7 @@ def test_fused_loss_impl_in_the_train_step(rng):
   for impl in ("xla", "pallas"):
     settings = train.LossSettings("tail", 1.0, 0.2, impl, 0, "float32")
     out[impl] = jax.jit(jax.value_and_grad(train.loss_fn, has_aux=True),
-                        static_argnums=(1, 3, 4))(params, graphdef, batch, settings, 1)
+                        static_argnums=(1, 3, 4))({"params": params}, graphdef, batch, settings, 1)
   (loss_x, _), grads_x = out["xla"]
   (loss_p, _), grads_p = out["pallas"]
   # bf16 activations and gradients; "pallas" also reads its top-k logits back from bf16 exp
@@ -269,7 +269,7 @@ def test_step_metrics_are_masked_means_of_the_dense_terms(rng):
            "topk_logprobs": np.sort(rng.normal(size=(3, T, K)), -1)[..., ::-1] - 3.0}
   settings = train.LossSettings("sparse", 2.0, 0.0, "xla", 10, "float32")
   loss_fn = jax.jit(train.loss_fn, static_argnums=(1, 3, 4))
-  _, metrics = loss_fn(params, graphdef, batch, settings, 1)
+  _, metrics = loss_fn({"params": params}, graphdef, batch, settings, 1)
   hidden = np.asarray(model(tokens, batch["positions"], batch["segment_ids"]), np.float64)
   z = hidden @ np.asarray(model.lm_head_DxV(), np.float64) / 2.0
   logq = z - z.max(-1, keepdims=True)
@@ -280,7 +280,7 @@ def test_step_metrics_are_masked_means_of_the_dense_terms(rng):
   np.testing.assert_allclose(float(metrics["top1"]), top1[mask].mean(), rtol=1e-6)
   for settings in (train.LossSettings("sparse", 2.0, 0.0, "xla", 10, "float32", False),
                    train.LossSettings("sparse", 2.0, 0.0, "paper", 10, "float32")):
-    _, metrics = loss_fn(params, graphdef, batch, settings, 1)
+    _, metrics = loss_fn({"params": params}, graphdef, batch, settings, 1)
     assert set(metrics) == {"kl", "ce"}  # switched off; the paper's algorithm has none
 
 
@@ -371,7 +371,8 @@ def test_online_objective_runs_the_teacher_in_the_step(tmp_path, rng):
   graphdef, params = nnx.split(student)
   teacher_graphdef, teacher_params = nnx.split(teacher)
   settings = train.LossSettings.from_config(loss_cfg, hard_labels=False)
-  _, metrics = train.grad_step(params, jax.tree.map(jnp.zeros_like, params), batch,
+  _, metrics = train.grad_step({"params": params}, {"params": jax.tree.map(jnp.zeros_like, params)},
+                              batch,
                               teacher_params, graphdef=graphdef, loss=settings, max_documents=1,
                               teacher_graphdef=teacher_graphdef)
   value = metrics.pop("loss")

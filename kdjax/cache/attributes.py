@@ -1,6 +1,7 @@
 """A store's attributes (the group's zarr.json): what they hold, their checksum and their checks.
 
-The attributes say how to decode the arrays (k, vocab_size, layout, logprob_scale, dtypes) and what
+The attributes say how to decode the arrays (k, vocab_size, layout, logprob_scale, hidden_dim,
+dtypes) and what
 the data is (teacher_hash, tokenizer_hash, source): an edit to one of them would change every read
 without a sound. So at creation `attributes_sha256` is added, a sha256 of all the others, and
 manifest/zarr.json keeps a sealed copy of them (all but the creation time) under
@@ -37,15 +38,21 @@ def copy(attrs):
   return seal({key: value for key, value in attrs.items() if key not in _UNCHECKED_KEYS})
 
 
-def spec(num_seqs, seq_len, k, vocab_size, attrs, layout_name, region_rows):
+def spec(num_seqs, seq_len, k, vocab_size, attrs, layout_name, region_rows, hidden_dim=0):
   """The attributes of a new store (not sealed); CacheError if the arguments cannot make one."""
+  hidden_dim = int(hidden_dim)
+  if hidden_dim < 0 or (hidden_dim and not k):
+    raise CacheError(f"hidden_dim = {hidden_dim} must be >= 0, and 0 in a store without teacher "
+                     f"outputs (k = 0)")
   if not 0 <= k <= vocab_size:
     raise CacheError(f"k = {k} must lie in 0..vocab_size ({vocab_size}): a position cannot have "
                      f"more top-k entries than the vocabulary has tokens.")
   out = {"format_version": layout_lib.FORMAT_VERSION, "num_seqs": int(num_seqs),
          "seq_len": int(seq_len), "k": int(k), "vocab_size": int(vocab_size),
          "layout": layout_name, "region_rows": int(region_rows),
-         "dtypes": layout_lib.array_dtypes(k, vocab_size, layout_name)}
+         "dtypes": layout_lib.array_dtypes(k, vocab_size, layout_name, hidden_dim)}
+  if hidden_dim:  # absent when 0: stores written before hidden states keep their attributes
+    out["hidden_dim"] = hidden_dim
   if k > 0 and layout_name == "compact":
     out["logprob_scale"] = layout_lib.LOGPROB_SCALE
   clash = {key: (attrs[key], out[key]) for key in set(out) & set(attrs) if attrs[key] != out[key]}
@@ -101,9 +108,13 @@ def decoding_problems(attrs):
     return problems
   if k > attrs["vocab_size"]:
     problems.append(f"k = {k} exceeds vocab_size = {attrs['vocab_size']}")
-  dtypes = layout_lib.array_dtypes(k, attrs["vocab_size"], layout_name)
+  hidden_dim = attrs.get("hidden_dim", 0)
+  if type(hidden_dim) is not int or hidden_dim < 0:
+    return problems + [f"hidden_dim = {hidden_dim!r} is not a non-negative integer"]
+  dtypes = layout_lib.array_dtypes(k, attrs["vocab_size"], layout_name, hidden_dim)
   if attrs.get("dtypes") != dtypes:
-    problems.append(f"dtypes = {attrs.get('dtypes')} but k, vocab_size and layout make {dtypes}")
+    problems.append(f"dtypes = {attrs.get('dtypes')} but k, vocab_size, layout and hidden_dim "
+                    f"make {dtypes}")
   # Compact log-probs are integer steps of this size: any other value scales every log-prob.
   if k > 0 and layout_name == "compact" and attrs.get("logprob_scale") != layout_lib.LOGPROB_SCALE:
     problems.append(f"logprob_scale = {attrs.get('logprob_scale')!r}, but compact stores are "

@@ -6,20 +6,26 @@ that row. Inner chunks and shard indexes carry a crc32c codec, so a flipped byte
 Only standard zarr v3 codecs are used (sharding_indexed, bytes, blosc, crc32c): plain tensorstore and
 zarr-python read every array.
 
-Layouts of the top-k arrays (S rows, T positions, K entries):
+Layouts of the top-k arrays (S rows, T positions, K entries, H hidden width):
   float32: topk_ids int32, topk_logprobs float32 -- the reference, 8 bytes per entry before zstd.
   compact: topk_ids uint16 when the vocabulary fits, else int32; topk_logprobs uint16 "gaps":
            -logprob = cumsum(gaps, axis=-1) * logprob_scale. Entries are sorted by descending
            probability, so the first gap is the quantised top-1 and the rest are small non-negative
            steps that zstd packs into about a byte. Quantising absolute values (then differencing
            the integers) keeps the error of every entry at most scale / 2: no drift along K.
+The teacher's final hidden states (optional, `hidden_dim` H > 0, either layout): `hidden` [S, T, H]
+uint16 holding bfloat16 bit patterns (zarr v3 has no bfloat16: `read` views them as
+ml_dtypes.bfloat16; plain readers: `np.asarray(x).view(ml_dtypes.bfloat16)`), 2 * H bytes per
+position before zstd.
 """
+import ml_dtypes
 import numpy as np
 
 FORMAT_VERSION = 1
 LAYOUTS = ("float32", "compact")
 TOKEN_ARRAYS = {"tokens": "int32", "segment_ids": "int32", "positions": "int32", "loss_mask": "bool"}
 TOPK_ARRAYS = ("topk_ids", "topk_logprobs")
+HIDDEN_ARRAY = "hidden"
 # 2**-11 nats: an entry's probability is off by at most 0.025% relative, and loss and gradients
 # by ~1e-4 (5e-4 for a student close to the teacher) of a float32 cache, for ~13 bytes per position
 # more than 2**-10 (experiments/cache_compact.py). 65535 steps cover 32 nats; entries below
@@ -28,7 +34,7 @@ LOGPROB_SCALE = 2.0**-11
 MAX_GAP = np.iinfo(np.uint16).max
 
 
-def array_dtypes(k, vocab_size, layout):
+def array_dtypes(k, vocab_size, layout, hidden_dim=0):
   """{name: stored numpy dtype name} for a store with these parameters."""
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -39,6 +45,8 @@ def array_dtypes(k, vocab_size, layout):
     else:
       ids = "uint16" if vocab_size <= 2**16 else "int32"
       dtypes.update(topk_ids=ids, topk_logprobs="uint16")
+  if hidden_dim > 0:
+    dtypes[HIDDEN_ARRAY] = "uint16"  # bfloat16 bit patterns
   return dtypes
 
 
@@ -101,3 +109,13 @@ def decode_topk(ids_SxTxK, stored_SxTxK, dtypes, scale=LOGPROB_SCALE):
   logprobs = np.cumsum(stored_SxTxK, axis=-1, dtype=np.uint16).astype(np.float32)
   logprobs *= np.float32(-scale)
   return ids, logprobs
+
+
+def encode_hidden(hidden_SxTxH):
+  """Hidden states (any float dtype) -> the uint16 bit patterns of their bfloat16 rounding."""
+  return np.asarray(hidden_SxTxH).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def decode_hidden(stored_SxTxH):
+  """Stored bit patterns -> bfloat16 hidden states (a view, no copy)."""
+  return stored_SxTxH.view(ml_dtypes.bfloat16)

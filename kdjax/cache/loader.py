@@ -28,7 +28,7 @@ atexit.register(lambda: [loader.close() for loader in list(_RUNNING)])
 class Loader:
   """Iterator of numpy batch dicts (store.read of batch_size rows). Holds no jax."""
 
-  def __init__(self, store, batch_size, seed, shuffle=True, prefetch=4, workers=None):
+  def __init__(self, store, batch_size, seed, shuffle=True, prefetch=4, workers=None, hidden=True):
     if store.num_seqs < batch_size:
       raise CacheError(f"{store.path} holds {store.num_seqs} rows, fewer than batch_size="
                        f"{batch_size}: lower the batch size or build a bigger store.")
@@ -39,6 +39,7 @@ class Loader:
     self.batches_per_epoch = store.num_seqs // batch_size
     self._prefetch = prefetch
     self.workers = workers or min(4, os.cpu_count() or 1)
+    self.hidden = hidden  # read the teacher's hidden states (store.read), if the store has them
     self._epoch, self._step = 0, 0  # of the next batch handed out
     self._pool = None
     self._pending = collections.deque()  # futures of the batches after (epoch, step), in order
@@ -67,7 +68,7 @@ class Loader:
     while len(self._pending) < self._prefetch:
       epoch, step = self._position(len(self._pending))
       rows = self.order(epoch)[step * self.batch_size:(step + 1) * self.batch_size]
-      self._pending.append(self._pool.submit(self.store.read, rows))
+      self._pending.append(self._pool.submit(self.store.read, rows, self.hidden))
 
   def close(self):
     """Stops the reader threads; iteration may continue later (they restart)."""

@@ -72,6 +72,7 @@ class Store:
     self.region_rows = attrs["region_rows"]
     self.dtypes = attrs["dtypes"]
     self._scale = attrs.get("logprob_scale")  # compact top-k only; checked by attributes.check
+    self.hidden_dim = attrs.get("hidden_dim", 0)  # H of the teacher's hidden states; 0: none
     self.num_regions = -(-self.num_seqs // self.region_rows)
     futures = {name: ts.open(self._ts_spec(name, create), create=create, open=True)
                for name in self.dtypes}
@@ -94,7 +95,9 @@ class Store:
                          f"damaged; delete it and rebuild.")
 
   def shape(self, name):
-    return (self.num_seqs, self.seq_len) + ((self.k,) if name in layout_lib.TOPK_ARRAYS else ())
+    last = {**dict.fromkeys(layout_lib.TOPK_ARRAYS, (self.k,)),
+            layout_lib.HIDDEN_ARRAY: (self.hidden_dim,)}
+    return (self.num_seqs, self.seq_len) + last.get(name, ())
 
   def _ts_spec(self, name, create):
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(self.path, name)}}
@@ -104,6 +107,14 @@ class Store:
       spec["metadata"] = layout_lib.array_metadata(name, self.shape(name), self.dtypes[name],
                                                    self.region_rows)
     return spec
+
+  def require_hidden(self):
+    """CacheError unless the store holds the teacher's hidden states."""
+    if not self.hidden_dim:
+      raise CacheError(f"{self.path} holds no teacher hidden states, which the hidden-state loss "
+                       f"term (loss.hidden_weight > 0) needs: rebuild the cache with "
+                       f"--config.cache.hidden_states=True (another cache.path), or set "
+                       f"loss.hidden_weight=0.")
 
   def region_bounds(self, region):
     return region * self.region_rows, min((region + 1) * self.region_rows, self.num_seqs)
@@ -184,6 +195,9 @@ class Store:
       values.check_ids(batch["topk_ids"], rows, self.vocab_size, f"{where}, topk_ids")
       values.check_logprobs(batch["topk_logprobs"], rows, where,
                             "Fix the teacher run that produced them; nothing was written.")
+    if self.hidden_dim:
+      values.check_hidden(batch["hidden"], rows, where,
+                          "Fix the teacher run that produced them; nothing was written.")
 
   def write(self, start, batch):
     """Writes rows start..start+len(batch) and records every region they complete.
@@ -198,6 +212,8 @@ class Store:
     if self.k > 0:
       stored["topk_ids"], stored["topk_logprobs"] = layout_lib.encode_topk(
           batch["topk_ids"], batch["topk_logprobs"], self.dtypes, self._scale)
+    if self.hidden_dim:
+      stored["hidden"] = layout_lib.encode_hidden(batch["hidden"])
     regions = range(start // self.region_rows, -(-stop // self.region_rows))
     failpoints.hit("before_data")
     with _disk_full_is_a_cache_error(self.path):
@@ -248,10 +264,12 @@ class Store:
       if start <= a and b <= stop:
         os.unlink(os.path.join(self._manifest_dir(), f"p{a:012d}-{b:012d}.json"))
 
-  def read(self, rows):
-    """Decoded rows: {name: array [len(rows), T(, K)]}; ids int32, log-probs float32.
+  def read(self, rows, hidden=True):
+    """Decoded rows: {name: array [len(rows), T(, K or H)]}; ids int32, log-probs float32, hidden
+    states bfloat16 (ml_dtypes).
 
     rows: a slice, or a sequence of row indices (any order, repeats allowed).
+    hidden: also read the teacher's hidden states, if the store has them.
     """
     if not isinstance(rows, slice):
       rows = np.asarray(rows, np.int64)
@@ -260,19 +278,23 @@ class Store:
     where = f"{self.path}: rows {values.describe_rows(rows)}"
     fix = (f"The store is corrupt: run `python -m kdjax.cache verify --fix {self.path}`, then "
            f"re-run the stage that wrote it to rewrite the bad regions.")
-    futures = {name: arr[rows].read() for name, arr in self._arrays.items()}
+    futures = {name: arr[rows].read() for name, arr in self._arrays.items()
+               if hidden or name != layout_lib.HIDDEN_ARRAY}
     try:
       out = {name: future.result() for name, future in futures.items()}
     except ValueError as e:  # tensorstore: checksum mismatch, truncated or unreadable shard
       raise CacheError(f"{where}: {e}. {fix}") from e
     out["tokens"] = out["tokens"].astype(np.int32)
+    if isinstance(rows, slice):
+      rows = np.arange(*rows.indices(self.num_seqs))
     if self.k > 0:
       out["topk_ids"], out["topk_logprobs"] = layout_lib.decode_topk(
           out["topk_ids"], out["topk_logprobs"], self.dtypes, self._scale)
-      if isinstance(rows, slice):
-        rows = np.arange(*rows.indices(self.num_seqs))
       values.check_ids(out["topk_ids"], rows, self.vocab_size, where, fix)
       values.check_logprobs(out["topk_logprobs"], rows, where, fix)
+    if "hidden" in out:
+      out["hidden"] = layout_lib.decode_hidden(out["hidden"])
+      values.check_hidden(out["hidden"], rows, where, fix)
     return out
 
 
@@ -321,7 +343,8 @@ def _write_group(path, attrs):
     pass
 
 
-def create(path, *, num_seqs, seq_len, k, vocab_size, attrs, layout="float32", region_rows=None):
+def create(path, *, num_seqs, seq_len, k, vocab_size, attrs, layout="float32", region_rows=None,
+           hidden_dim=0):
   """Creates a store, or resumes an existing one with the same spec.
 
   Args:
@@ -334,13 +357,15 @@ def create(path, *, num_seqs, seq_len, k, vocab_size, attrs, layout="float32", r
       source); resuming with different attrs is refused.
     layout: "float32" (reference) or "compact" (see layout.py).
     region_rows: rows per region (the unit of writing and crash safety); default ~256K positions.
+    hidden_dim: H > 0 also stores the teacher's final hidden states [S, T, H] (bf16, layout.py).
   Raises:
     CacheError: bad arguments (checked before anything is created), the path is a file, the path
       holds a store with a different spec or with edited attributes, or the disk is full.
   """
   path = os.fspath(path)
   region_rows = region_rows or _default_region_rows(num_seqs, seq_len)
-  spec = attributes.spec(num_seqs, seq_len, k, vocab_size, dict(attrs), layout, region_rows)
+  spec = attributes.spec(num_seqs, seq_len, k, vocab_size, dict(attrs), layout, region_rows,
+                         hidden_dim)
   _check_folder(path)
   created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
   with _disk_full_is_a_cache_error(path):
@@ -355,12 +380,14 @@ def create(path, *, num_seqs, seq_len, k, vocab_size, attrs, layout="float32", r
     return Store(path, existing, create=True)
 
 
-def open(path, *, vocab_size=None, k=None, seq_len=None, tokenizer_hash=None, allow_partial=False):
+def open(path, *, vocab_size=None, k=None, seq_len=None, tokenizer_hash=None, hidden=False,
+         allow_partial=False):
   """Opens a store for reading after checking it is intact and matches what the caller expects.
 
   Args:
     path: directory of the store.
     vocab_size, k, seq_len, tokenizer_hash: expected values; None skips the check.
+    hidden: the caller needs the teacher's hidden states (refuse a store without them).
     allow_partial: accept a store whose writer has not finished, and skip the check of the
       finished regions' files (to inspect or repair it).
   Raises:
@@ -380,6 +407,8 @@ def open(path, *, vocab_size=None, k=None, seq_len=None, tokenizer_hash=None, al
                        f"rebuild the store for this model/tokenizer, or point to the matching "
                        f"one.")
   store = Store(path, attrs)
+  if hidden:
+    store.require_hidden()
   if not allow_partial:
     if missing := store.missing_regions():
       raise CacheError(f"{path} is incomplete: {len(missing)} of {store.num_regions} regions are "

@@ -42,3 +42,11 @@ def check_logprobs(logprobs, rows, where, fix):
   if logprobs.size and logprobs.max() > 0:
     raise CacheError(f"{where}: log-probs must be <= 0, found {logprobs.max()} (first at "
                      f"{_first(logprobs > 0, rows)}). {fix}")
+
+
+def check_hidden(hidden, rows, where, fix):
+  """hidden [S, T, H] of store rows `rows` [S] are finite."""
+  bad = ~np.isfinite(hidden)
+  if bad.any():
+    raise CacheError(f"{where}: {bad.sum()} NaN/Inf teacher hidden states (first at "
+                     f"{_first(bad.any(axis=-1), rows)}). {fix}")

@@ -9,7 +9,8 @@ shared by the chunked impls), chunked (the scan over position chunks every chunk
 impl "xla"'s XLA passes), fused + mgpu (impl "pallas": the logits matmul with exp fused, a Mosaic
 GPU kernel), pallas_exact (impl "pallas_exact": Triton passes over the float32 logits), reference
 (impl "reference": dense jnp), paper (impl "paper": the paper's algorithm, a benchmark baseline);
-full_kl: the full-vocabulary KL with the teacher's logits at hand (the online reference).
+full_kl: the full-vocabulary KL with the teacher's logits at hand (the online reference); hidden:
+the hidden-state matching term against the teacher's cached final hidden states.
 """
 from kdjax.kernels.loss import IMPLS, has_position_terms, topk_kl_loss
 
