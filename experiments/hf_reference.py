@@ -7,12 +7,16 @@ machines carry), never in kdjax's venv. jobs.json:
 
     {"make":   [{"dir", "model_type", "config": {...}, "seed", "max_shard_size" (or null),
                  "tokenizer_vocab" (or null)}],
+     "dequantize": [{"dir", "out_dir"}],
      "logits": [{"dir", "inputs": "x.npz" (tokens, positions, segment_ids [B, T]), "out": "y.npy"}]}
 
-"make" saves a tiny random model (norm scales randomised too, so a swapped or dropped norm shows)
-and, with tokenizer_vocab, a word-level tokenizer.json defining that many tokens. "logits" loads
-a directory with AutoModelForCausalLM and writes float64 logits [B, T, V], running each document
-(contiguous run of one nonzero segment id) alone with its position ids; padding rows stay zero.
+"make" saves a tiny random model (norm scales, biases and attention sinks randomised too, so a
+swapped or dropped one shows) and, with tokenizer_vocab, a word-level tokenizer.json defining
+that many tokens. "logits" loads a directory with AutoModelForCausalLM and writes float64 logits
+[B, T, V], running each document (contiguous run of one nonzero segment id) alone with its
+position ids; padding rows stay zero. "dequantize" rewrites an MXFP4 gpt-oss checkpoint (a
+single model.safetensors) with float experts, decoded by transformers' own MXFP4 converter (its
+loader needs accelerate for MXFP4, which the side venv does not carry).
 """
 import json
 import sys
@@ -30,6 +34,8 @@ def make(job: dict) -> None:
     for name, p in model.named_parameters():
       if name.endswith("norm.weight"):
         p.copy_(1.0 + 0.2 * torch.randn_like(p))
+      elif name.endswith(("bias", "sinks")):
+        p.copy_(0.5 * torch.randn_like(p))
   kwargs = {"max_shard_size": job["max_shard_size"]} if job.get("max_shard_size") else {}
   model.save_pretrained(job["dir"], **kwargs)
   if job.get("tokenizer_vocab"):
@@ -42,9 +48,28 @@ def make(job: dict) -> None:
     fast.save_pretrained(job["dir"])
 
 
+def dequantize(job: dict) -> None:
+  import os
+  import shutil
+  from safetensors.torch import load_file, save_file
+  from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+  tensors = load_file(os.path.join(job["dir"], "model.safetensors"))
+  for name in [n for n in tensors if n.endswith("_blocks")]:
+    stem = name[:-len("_blocks")]
+    tensors[stem] = convert_moe_packed_tensors(tensors.pop(name), tensors.pop(stem + "_scales"))
+  os.makedirs(job["out_dir"], exist_ok=True)
+  save_file(tensors, os.path.join(job["out_dir"], "model.safetensors"), metadata={"format": "pt"})
+  with open(os.path.join(job["dir"], "config.json")) as f:
+    config = json.load(f)
+  del config["quantization_config"]
+  with open(os.path.join(job["out_dir"], "config.json"), "w") as f:
+    json.dump(config, f)
+
+
 def logits(job: dict) -> None:
+  # Eager attention and experts: the reference implementations (grouped_mm has no float64).
   model = transformers.AutoModelForCausalLM.from_pretrained(
-      job["dir"], attn_implementation="eager").double().eval()
+      job["dir"], attn_implementation="eager", experts_implementation="eager").double().eval()
   data = np.load(job["inputs"])
   tokens, positions, segment_ids = data["tokens"], data["positions"], data["segment_ids"]
   out = np.zeros(tokens.shape + (model.config.vocab_size,), np.float64)
@@ -69,6 +94,8 @@ def main() -> None:
     jobs = json.load(f)
   for job in jobs.get("make", []):
     make(job)
+  for job in jobs.get("dequantize", []):
+    dequantize(job)
   for job in jobs.get("logits", []):
     logits(job)
   print(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__}))

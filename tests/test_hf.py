@@ -1,4 +1,5 @@
-"""Parity with Hugging Face transformers: load, logits, export, round trip, student init.
+"""Parity with Hugging Face transformers (Llama 3.x, Qwen3, Qwen3-MoE, gpt-oss): load, logits on
+packed rows, export, round trip, student init.
 
 transformers and CPU torch live in a side venv (.venv-hf, Python 3.11: PyPI's torch for 3.12 is a
 multi-GB CUDA build; conftest's side_python). The first run creates it (about a minute) and later
@@ -18,9 +19,10 @@ import pytest
 from flax import nnx
 
 from kdjax.models import hf
-from kdjax.models.llama import ModelConfig, Transformer, rope_inv_freq
+from kdjax.models.llama import ModelConfig, Transformer
+from kdjax.models.rope import inv_freq as rope_inv_freq
 
-PARITY = ("llama3_untied", "llama_tied", "qwen3")
+PARITY = ("llama3_untied", "llama_tied", "qwen3", "qwen3_moe", "qwen3_moe_norm", "gpt_oss")
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +87,11 @@ def train_a_little(model, inputs, kdjax_logits, steps=3):
 def test_logits_match_transformers(checkpoints, name, hf_archs, assert_parity):
   work, inputs, refs = checkpoints
   model, cfg = hf.load(str(work / name))
-  assert cfg.qk_norm == (hf_archs[name]["model_type"] == "qwen3")
-  assert cfg.tie_embeddings == hf_archs[name]["config"]["tie_word_embeddings"]
+  spec = hf_archs[name]
+  assert cfg.qk_norm == (spec["model_type"] in ("qwen3", "qwen3_moe"))
+  assert cfg.tie_embeddings == spec["config"]["tie_word_embeddings"]
+  assert cfg.n_experts == spec["config"].get("num_experts", spec["config"].get("num_local_experts",
+                                                                                0))
   assert_parity(model, inputs, refs[name])
 
 

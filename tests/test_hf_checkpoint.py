@@ -126,7 +126,8 @@ def edit_config(path, **changes):
      "MistralForCausalLM .* not supported; kdjax loads LlamaForCausalLM .*Qwen3ForCausalLM"),
     (dict(model_type="qwen2"), "not supported"),
     (dict(attention_bias=True), "attention_bias"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "'yarn' is not supported"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0}), "'longrope' is not supported"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn rope needs factor and orig"),
     (dict(num_key_value_heads=3), "multiple of n_kv_heads"),
 ])
 def test_bad_configs(tmp_path, changes, message):

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from kdjax import config
-from kdjax.models import attention, llama
+from kdjax.models import attention, llama, rope
 from kdjax.models.llama import ModelConfig, Transformer
 
 B, T = 2, 12
@@ -37,8 +37,8 @@ def inputs(seed=0, vocab=97):
   return tokens, positions, segment_ids
 
 
-def attention_reference(q, k, v, seg):
-  """float64 loops over (b, t, h)."""
+def attention_reference(q, k, v, seg, sinks=None, window=0):
+  """float64 loops over (b, t, h); a sink adds exp(sink) to the softmax's denominator."""
   q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
   seg = np.asarray(seg)
   b_, t_, h_, e_ = q.shape
@@ -48,11 +48,11 @@ def attention_reference(q, k, v, seg):
     for t in range(t_):
       if seg[b, t] == 0:
         continue
-      keys = [s for s in range(t + 1) if seg[b, s] == seg[b, t]]
+      keys = [s for s in range(t + 1) if seg[b, s] == seg[b, t] and (not window or t - s < window)]
       for h in range(h_):
         scores = np.array([q[b, t, h] @ k[b, s, h // r] for s in keys]) / np.sqrt(e_)
-        p = np.exp(scores - scores.max())
-        p /= p.sum()
+        p = np.exp(scores)
+        p /= p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h])))
         out[b, t, h] = sum(pi * v[b, s, h // r] for pi, s in zip(p, keys))
   return out
 
@@ -66,6 +66,24 @@ def test_attention_matches_reference():
   out = attention.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(seg))
   np.testing.assert_allclose(np.asarray(out), attention_reference(q, k, v, seg),
                              rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_attention_sinks_and_window_match_reference(rng, window):
+  q, k, v = (rng.standard_normal((2, 9, h, 8)).astype(np.float32) for h in (4, 2, 2))
+  sinks = (2 * rng.standard_normal(4)).astype(np.float32)
+  seg = np.array([[1, 1, 1, 1, 1, 2, 2, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1, 1]], np.int32)
+  out = attention.attention(*(jnp.asarray(a) for a in (q, k, v, seg)), sinks_H=jnp.asarray(sinks),
+                            window=window)
+  np.testing.assert_allclose(np.asarray(out), attention_reference(q, k, v, seg, sinks, window),
+                             rtol=1e-5, atol=1e-5)
+  if window:
+    plain = attention.attention(*(jnp.asarray(a) for a in (q, k, v, seg)), window=window)
+    np.testing.assert_allclose(np.asarray(plain), attention_reference(q, k, v, seg, None, window),
+                               rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="no attention sinks or sliding windows"):
+    attention.attention(*(jnp.asarray(a) for a in (q, k, v, seg)), impl="cudnn", max_documents=2,
+                        window=window or 4)
 
 
 def packed_rows(rng, b, t, max_docs):
@@ -289,15 +307,17 @@ def test_bfloat16_close_to_float32():
 def test_llama3_rope_scaling():
   scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                  original_max_position_embeddings=64)
-  plain = llama.rope_inv_freq(make_cfg(head_dim=16))
-  scaled = llama.rope_inv_freq(make_cfg(head_dim=16, rope_scaling=scaling))
+  plain = rope.inv_freq(make_cfg(head_dim=16))
+  scaled = rope.inv_freq(make_cfg(head_dim=16, rope_scaling=scaling))
   wavelen = 2 * np.pi / plain
   np.testing.assert_allclose(scaled[wavelen < 16], plain[wavelen < 16])  # high frequencies kept
   np.testing.assert_allclose(scaled[wavelen > 64], plain[wavelen > 64] / 8, rtol=1e-6)
   assert np.all(scaled <= plain)
   model = Transformer(make_cfg(rope_scaling=scaling), rngs=nnx.Rngs(0))
   hash(model.cfg)  # static metadata must stay hashable
-  with pytest.raises(ValueError, match="only 'llama3'"):
+  with pytest.raises(ValueError, match="'longrope' is not supported"):
+    make_cfg(rope_scaling=dict(rope_type="longrope", factor=2.0))
+  with pytest.raises(ValueError, match="yarn scaling needs"):
     make_cfg(rope_scaling=dict(rope_type="yarn", factor=2.0))
 
 

@@ -5,15 +5,19 @@ G key/value heads, R query heads per key/value head (H = G * R), E head dim, M d
 (a static bound, or those of one cuDNN call).
 
 A packed row holds documents (segments 1, 2, ... in order, each one contiguous) followed by
-padding (segment 0). Query t sees key s iff s <= t and both lie in the same document; padding
-queries return zeros.
+padding (segment 0). Query t sees key s iff s <= t and both lie in the same document (and, in a
+sliding-window layer of `window` keys, t - s < window); padding queries return zeros. gpt-oss's
+attention sinks add one learned logit per head to each softmax's denominator (a key with no
+value): a query may give little weight to every key.
 
 Two implementations of that one function:
-  * `attention_einsum`, the reference: a dense [T, S] score matrix and mask, any device.
+  * `attention_einsum`, the reference: a dense [T, S] score matrix and mask, any device; the only
+    one with sinks and sliding windows.
   * `attention_cudnn`: cuDNN flash attention in its packed (ragged) layout on GPU. Each document
     is handed over as an offset and a length, so no [T, S] array exists in the forward or the
     backward pass and the blocks that straddle two documents are never computed. Memory is
     linear in T: documents go to cuDNN a few per call, as its workspace grows with documents x T.
+    It takes neither sinks nor sliding windows (impl "cudnn" refuses them, "auto" picks einsum).
 """
 import math
 
@@ -78,27 +82,39 @@ def spans_mask(starts_BxM1: jax.Array, lengths_BxM: jax.Array, t: int) -> jax.Ar
   return same_BxTxS & (idx_T[:, None] >= idx_T[None, :])[None]
 
 
-def document_mask(segment_ids_BxT: jax.Array) -> jax.Array:
-  """[B, T, S] bool: query t sees key s iff s <= t and both are in the same nonzero segment."""
+def document_mask(segment_ids_BxT: jax.Array, window: int = 0) -> jax.Array:
+  """[B, T, S] bool: query t sees key s iff s <= t and both are in the same nonzero segment
+  (and t - s < window, if window > 0)."""
   idx_T = jnp.arange(segment_ids_BxT.shape[1])
   causal_TxS = idx_T[:, None] >= idx_T[None, :]
+  if window:
+    causal_TxS = causal_TxS & (idx_T[:, None] - idx_T[None, :] < window)
   seg_q_BxTx1 = segment_ids_BxT[:, :, None]
   seg_k_Bx1xS = segment_ids_BxT[:, None, :]
   return causal_TxS[None] & (seg_q_BxTx1 == seg_k_Bx1xS) & (seg_q_BxTx1 != 0)
 
 
 def attention_einsum(q_BxTxHxE: jax.Array, k_BxSxGxE: jax.Array, v_BxSxGxE: jax.Array,
-                     segment_ids_BxT: jax.Array) -> jax.Array:
-  """Reference: plain einsums with an O(T^2) float32 score matrix per head."""
+                     segment_ids_BxT: jax.Array, sinks_H: jax.Array | None = None,
+                     window: int = 0) -> jax.Array:
+  """Reference: plain einsums with an O(T^2) float32 score matrix per head; sinks_H (logits)
+  and window as in the module docstring."""
   b, t, h, e = q_BxTxHxE.shape
   g = k_BxSxGxE.shape[2]
   q_BxTxGxRxE = q_BxTxHxE.reshape(b, t, g, h // g, e)
   scores_BxGxRxTxS = jnp.einsum("btgre,bsge->bgrts", q_BxTxGxRxE, k_BxSxGxE,
                                 preferred_element_type=jnp.float32) / math.sqrt(e)
-  mask_Bx1x1xTxS = document_mask(segment_ids_BxT)[:, None, None]
+  mask_Bx1x1xTxS = document_mask(segment_ids_BxT, window)[:, None, None]
   # A finite fill keeps fully masked (padding) rows NaN-free; they are zeroed below.
   scores_BxGxRxTxS = jnp.where(mask_Bx1x1xTxS, scores_BxGxRxTxS, jnp.finfo(jnp.float32).min)
-  probs_BxGxRxTxS = jax.nn.softmax(scores_BxGxRxTxS, axis=-1)
+  if sinks_H is None:
+    probs_BxGxRxTxS = jax.nn.softmax(scores_BxGxRxTxS, axis=-1)
+  else:
+    # The sink is one more column of the softmax, dropped after it.
+    sink_BxGxRxTx1 = jnp.broadcast_to(sinks_H.astype(jnp.float32).reshape(1, g, h // g, 1, 1),
+                                      (b, g, h // g, t, 1))
+    probs_BxGxRxTxS = jax.nn.softmax(
+        jnp.concatenate([scores_BxGxRxTxS, sink_BxGxRxTx1], axis=-1), axis=-1)[..., :-1]
   probs_BxGxRxTxS = jnp.where(mask_Bx1x1xTxS, probs_BxGxRxTxS, 0.0)
   out_BxTxGxRxE = jnp.einsum("bgrts,bsge->btgre", probs_BxGxRxTxS.astype(v_BxSxGxE.dtype),
                              v_BxSxGxE, preferred_element_type=jnp.float32)
@@ -193,17 +209,24 @@ def cudnn_applies(q_BxTxHxE: jax.Array) -> bool:
 
 def attention(q_BxTxHxE: jax.Array, k_BxSxGxE: jax.Array, v_BxSxGxE: jax.Array,
               segment_ids_BxT: jax.Array, impl: str = "auto",
-              max_documents: int | None = None) -> jax.Array:
+              max_documents: int | None = None, sinks_H: jax.Array | None = None,
+              window: int = 0) -> jax.Array:
   """Causal, document-masked grouped-query attention (see the module docstring).
 
   impl: "einsum" (reference), "cudnn" (GPU) or "auto" (cudnn where it applies, else einsum).
   max_documents: M, a static bound on the segment ids of every row (documents_bound of the host
   batch); the cudnn path needs it, the reference ignores it.
+  sinks_H: per-head sink logits (gpt-oss), or None. window: a static sliding window in keys
+  (0: none). Only the einsum path has either: "cudnn" raises ValueError, "auto" picks einsum.
   """
+  extras = sinks_H is not None or window > 0
   if impl == "auto":
-    impl = "cudnn" if cudnn_applies(q_BxTxHxE) else "einsum"
+    impl = "cudnn" if cudnn_applies(q_BxTxHxE) and not extras else "einsum"
   if impl == "einsum":
-    return attention_einsum(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT)
+    return attention_einsum(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, sinks_H, window)
+  if extras:
+    raise ValueError("attention_impl 'cudnn' has no attention sinks or sliding windows (gpt-oss "
+                     "needs both); set attention_impl to 'einsum' or 'auto'.")
   if max_documents is None:
     raise ValueError("cuDNN attention needs max_documents, a bound on the documents per row: "
                      "pass attention.documents_bound(segment_ids) of the host batch.")

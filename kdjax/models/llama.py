@@ -1,9 +1,11 @@
-"""Decoder-only Llama 3.x / Qwen3 (dense) transformer in Flax NNX.
+"""Decoder-only transformer in Flax NNX: Llama 3.x, Qwen3, Qwen3-MoE and gpt-oss.
 
 Shape letters: B batch, T query positions, S key positions (same tokens as T), D model width,
 V vocabulary, H query heads, G key/value heads, R query heads per key/value head (H = G * R),
-E head dim, F feed-forward width.
+E head dim, F feed-forward width (per expert in MoE layers), X experts.
 
+One block for every family: pre-norm attention (optional q/k norm, q/k/v/o biases, attention
+sinks, sliding window) and a SwiGLU MLP, dense or a mixture of experts (kdjax/models/moe.py).
 Parameter layouts follow Hugging Face's math (rotate-half RoPE, RMSNorm in float32, SwiGLU), so
 checkpoints convert by transposes and reshapes only (see kdjax/models/hf.py).
 """
@@ -18,13 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from flax.core import FrozenDict
 
 from kdjax.models import attention as attention_lib
+from kdjax.models import moe
+from kdjax.models import rope
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-_ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-                      "original_max_position_embeddings")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +43,7 @@ class ModelConfig:
   head_dim: int = 64          # E, per-head width
   d_ff: int = 768             # F, SwiGLU hidden width
   rope_theta: float = 10000.0  # RoPE base
-  rope_scaling: Any = None    # None or llama3 dict: factor, low/high_freq_factor, original_max_...
+  rope_scaling: Any = None    # None, or a llama3 or yarn dict (kdjax/models/rope.py)
   norm_eps: float = 1e-5      # RMSNorm epsilon
   tie_embeddings: bool = False  # lm_head = embedding.T
   qk_norm: bool = False       # Qwen3: RMSNorm over E on queries and keys before RoPE
@@ -50,26 +51,26 @@ class ModelConfig:
   param_dtype: str = "float32"  # parameter storage dtype
   remat: bool = True          # recompute each block in the backward pass (activations ~ one block)
   attention_impl: str = "auto"  # "auto" (cuDNN on GPU in bf16, else einsum), "einsum", "cudnn"
+  # Mixtures of experts (Qwen3-MoE, gpt-oss): every layer's MLP is n_experts SwiGLU experts of
+  # width d_ff, experts_per_token of them per token (kdjax/models/moe.py). 0: dense MLP.
+  n_experts: int = 0          # X, experts per layer (0 = dense)
+  experts_per_token: int = 0  # routed experts per token (top-k of the router)
+  route_renormalize: bool = True  # selected experts' weights sum to 1 (softmax over their logits)
+  expert_bias: bool = False   # router and experts have biases (gpt-oss)
+  swiglu_limit: float = 0.0   # > 0: gpt-oss's clamped SwiGLU in the experts (see moe.py)
+  swiglu_alpha: float = 1.702  # its sigmoid gain
+  expert_weights: str = "float"  # "float" or "mxfp4" (packed e2m1 + e8m0 scales, uint8)
+  attention_bias: bool = False  # q/k/v/o projections have biases (gpt-oss)
+  attention_sinks: bool = False  # a learned per-head logit in the softmax denominator (gpt-oss)
+  sliding_window: int = 0     # > 0: even layers (0, 2, ...) see only the last this many keys
   # Ids >= real_vocab_size are padding rows of the embedding table (e.g. Qwen's 151936 rows for
   # 151669 tokens); lm_head_DxV() drops them so they never enter a softmax. None: all rows real.
   # Set by kdjax.models.hf from the checkpoint's tokenizer, not read from configs.
   real_vocab_size: int | None = None
 
   def __post_init__(self):
-    if not self.rope_scaling:  # an empty config group means no scaling
-      object.__setattr__(self, "rope_scaling", None)
-    else:
-      scaling = dict(self.rope_scaling)
-      kind = scaling.pop("rope_type", scaling.pop("type", "llama3"))
-      if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported; only 'llama3' is.")
-      missing = [k for k in _ROPE_SCALING_KEYS if k not in scaling]
-      if missing:
-        raise ValueError(f"rope_scaling lacks {missing}; llama3 scaling needs "
-                         f"{_ROPE_SCALING_KEYS}.")
-      # FrozenDict keeps the config hashable (jit caches on the module's static metadata).
-      object.__setattr__(self, "rope_scaling",
-                         FrozenDict({k: float(scaling[k]) for k in _ROPE_SCALING_KEYS}))
+    # FrozenDict (or None) keeps the config hashable: jit caches on the module's static metadata.
+    object.__setattr__(self, "rope_scaling", rope.scaling(self.rope_scaling))
 
   @classmethod
   def config_fields(cls) -> list[dataclasses.Field]:
@@ -108,6 +109,9 @@ class ModelConfig:
     if self.attention_impl not in attention_lib.IMPLS:
       raise ValueError(f"{where}attention_impl must be one of {attention_lib.IMPLS}, got "
                        f"{self.attention_impl!r}.")
+    moe.validate(self, where)
+    if self.sliding_window < 0:
+      raise ValueError(f"{where}sliding_window must be >= 0 (0: none), got {self.sliding_window}.")
     if self.real_vocab_size is not None and not 0 < self.real_vocab_size <= self.vocab_size:
       raise ValueError(f"real_vocab_size ({self.real_vocab_size}) must be in "
                        f"[1, vocab_size={self.vocab_size}].")
@@ -117,40 +121,6 @@ class ModelConfig:
   def output_vocab_size(self) -> int:
     """Columns of lm_head_DxV(): the real vocabulary, without padding rows."""
     return self.vocab_size if self.real_vocab_size is None else self.real_vocab_size
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-  """Inverse frequencies [E/2] in float32, with llama3 scaling when configured."""
-  e = cfg.head_dim
-  inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, e, 2, dtype=np.float64) / e))
-  if cfg.rope_scaling is not None:
-    s = cfg.rope_scaling
-    old_len = s["original_max_position_embeddings"]
-    low_wavelen = old_len / s["low_freq_factor"]
-    high_wavelen = old_len / s["high_freq_factor"]
-    wavelen = 2 * math.pi / inv_freq
-    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
-    scaled = np.where(wavelen > low_wavelen, inv_freq / s["factor"], inv_freq)
-    smooth = (old_len / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] -
-                                                             s["low_freq_factor"])
-    smoothed = (1 - smooth) * scaled / s["factor"] + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    inv_freq = np.where(medium, smoothed, scaled)
-  return inv_freq.astype(np.float32)
-
-
-def apply_rope(x_BxTxHxE: jax.Array, positions_BxT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-  """Rotate-half RoPE (Hugging Face layout: pairs are (i, i + E/2)), computed in float32; H is
-  the query heads or the key/value heads (G)."""
-  inv_freq_11E2 = jnp.asarray(inv_freq)[None, None]
-  angles_BxTxE2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_11E2
-  cos_BxTx1xE2 = jnp.cos(angles_BxTxE2)[:, :, None, :]
-  sin_BxTx1xE2 = jnp.sin(angles_BxTxE2)[:, :, None, :]
-  x = x_BxTxHxE.astype(jnp.float32)
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  out = jnp.concatenate([x1 * cos_BxTx1xE2 - x2 * sin_BxTx1xE2,
-                         x2 * cos_BxTx1xE2 + x1 * sin_BxTx1xE2], axis=-1)
-  return out.astype(x_BxTxHxE.dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -171,48 +141,71 @@ def _init_arrays(key: jax.Array, specs: tuple, dtype: str) -> dict[str, jax.Arra
 
 
 def _init_params(module: nnx.Module, rngs: nnx.Rngs, specs: tuple, dtype: str) -> None:
-  """Sets module.<name> = Param for each (name, shape, std); std None means ones (norm scales)."""
+  """Sets module.<name> = Param for each (name, shape, std); std None means ones (norm scales),
+  0.0 zeros (biases)."""
   for name, value in _init_arrays(rngs.params(), specs, dtype).items():
     setattr(module, name, nnx.Param(value))
 
 
 class Block(nnx.Module):
-  """Pre-norm layer: x + attn(norm(x)); x + swiglu(norm(x))."""
+  """Pre-norm layer: x + attn(norm(x)); x + mlp(norm(x)), the MLP a dense SwiGLU or experts."""
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
     d, h, g, e, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
     out_std = 1.0 / math.sqrt(2 * cfg.n_layers)  # residual branches sum over 2 * n_layers
     self.cfg = cfg
+    # Static: keys a query sees in this layer (0: all of its document's earlier ones).
+    self.window = cfg.sliding_window if layer % 2 == 0 else 0
     specs = (("attn_norm_D", (d,), None),
              ("wq_DxHxE", (d, h, e), d ** -0.5),
              ("wk_DxGxE", (d, g, e), d ** -0.5),
              ("wv_DxGxE", (d, g, e), d ** -0.5),
              ("wo_HxExD", (h, e, d), (h * e) ** -0.5 * out_std),
-             ("mlp_norm_D", (d,), None),
-             ("w_gate_DxF", (d, f), d ** -0.5),
-             ("w_up_DxF", (d, f), d ** -0.5),
-             ("w_down_FxD", (f, d), f ** -0.5 * out_std))
+             ("mlp_norm_D", (d,), None))
+    if not cfg.n_experts:
+      specs += (("w_gate_DxF", (d, f), d ** -0.5),
+                ("w_up_DxF", (d, f), d ** -0.5),
+                ("w_down_FxD", (f, d), f ** -0.5 * out_std))
     if cfg.qk_norm:
       specs += (("q_norm_E", (e,), None), ("k_norm_E", (e,), None))
+    if cfg.attention_bias:
+      specs += (("bq_HxE", (h, e), 0.0), ("bk_GxE", (g, e), 0.0), ("bv_GxE", (g, e), 0.0),
+                ("bo_D", (d,), 0.0))
+    if cfg.attention_sinks:
+      specs += (("sinks_H", (h,), 0.0),)
     _init_params(self, rngs, specs, cfg.param_dtype)
+    if cfg.n_experts:
+      self.moe = moe.MoE(cfg, out_std, rngs=rngs)
+
+  def _project(self, y_BxTxD, name: str, bias: str):
+    dt = DTYPES[self.cfg.dtype]
+    out = jnp.einsum("btd,dhe->bthe", y_BxTxD, getattr(self, name)[...].astype(dt))
+    return out + getattr(self, bias)[...].astype(dt)[None, None] if self.cfg.attention_bias else out
 
   def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, inv_freq, max_documents):
     cfg = self.cfg
     dt = DTYPES[cfg.dtype]
     y_BxTxD = rms_norm(x_BxTxD, self.attn_norm_D[...], cfg.norm_eps)
-    q_BxTxHxE = jnp.einsum("btd,dhe->bthe", y_BxTxD, self.wq_DxHxE[...].astype(dt))
-    k_BxTxGxE = jnp.einsum("btd,dge->btge", y_BxTxD, self.wk_DxGxE[...].astype(dt))
-    v_BxTxGxE = jnp.einsum("btd,dge->btge", y_BxTxD, self.wv_DxGxE[...].astype(dt))
+    q_BxTxHxE = self._project(y_BxTxD, "wq_DxHxE", "bq_HxE")
+    k_BxTxGxE = self._project(y_BxTxD, "wk_DxGxE", "bk_GxE")
+    v_BxTxGxE = self._project(y_BxTxD, "wv_DxGxE", "bv_GxE")
     if cfg.qk_norm:
       q_BxTxHxE = rms_norm(q_BxTxHxE, self.q_norm_E[...], cfg.norm_eps)
       k_BxTxGxE = rms_norm(k_BxTxGxE, self.k_norm_E[...], cfg.norm_eps)
-    q_BxTxHxE = apply_rope(q_BxTxHxE, positions_BxT, inv_freq)
-    k_BxTxGxE = apply_rope(k_BxTxGxE, positions_BxT, inv_freq)
-    a_BxTxHxE = attention_lib.attention(q_BxTxHxE, k_BxTxGxE, v_BxTxGxE, segment_ids_BxT,
-                                        cfg.attention_impl, max_documents)
-    x_BxTxD = x_BxTxD + jnp.einsum("bthe,hed->btd", a_BxTxHxE, self.wo_HxExD[...].astype(dt))
+    rope_scale = rope.attention_factor(cfg)
+    q_BxTxHxE = rope.apply(q_BxTxHxE, positions_BxT, inv_freq, rope_scale)
+    k_BxTxGxE = rope.apply(k_BxTxGxE, positions_BxT, inv_freq, rope_scale)
+    a_BxTxHxE = attention_lib.attention(
+        q_BxTxHxE, k_BxTxGxE, v_BxTxGxE, segment_ids_BxT, cfg.attention_impl, max_documents,
+        sinks_H=self.sinks_H[...] if cfg.attention_sinks else None, window=self.window)
+    o_BxTxD = jnp.einsum("bthe,hed->btd", a_BxTxHxE, self.wo_HxExD[...].astype(dt))
+    if cfg.attention_bias:
+      o_BxTxD = o_BxTxD + self.bo_D[...].astype(dt)[None, None]
+    x_BxTxD = x_BxTxD + o_BxTxD
 
     y_BxTxD = rms_norm(x_BxTxD, self.mlp_norm_D[...], cfg.norm_eps)
+    if cfg.n_experts:
+      return x_BxTxD + self.moe(y_BxTxD)
     gate_BxTxF = jnp.einsum("btd,df->btf", y_BxTxD, self.w_gate_DxF[...].astype(dt))
     up_BxTxF = jnp.einsum("btd,df->btf", y_BxTxD, self.w_up_DxF[...].astype(dt))
     h_BxTxF = jax.nn.silu(gate_BxTxF) * up_BxTxF
@@ -232,7 +225,7 @@ class Transformer(nnx.Module):
     if not cfg.tie_embeddings:
       specs += (("unembed_DxV", (cfg.d_model, cfg.vocab_size), cfg.d_model ** -0.5),)
     _init_params(self, rngs, specs, cfg.param_dtype)
-    self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+    self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.n_layers)])
 
   def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT,
                max_documents: int | None = None) -> jax.Array:
@@ -243,7 +236,7 @@ class Transformer(nnx.Module):
     """
     cfg = self.cfg
     dt = DTYPES[cfg.dtype]
-    inv_freq = rope_inv_freq(cfg)
+    inv_freq = rope.inv_freq(cfg)
     x_BxTxD = jnp.take(self.embed_VxD[...], tokens_BxT, axis=0).astype(dt)
     run_block = lambda block, x, pos, seg: block(x, pos, seg, inv_freq, max_documents)
     if cfg.remat:
@@ -269,12 +262,14 @@ def count_params(model: nnx.Module) -> int:
 def flops_per_token(cfg: ModelConfig, context: float) -> float:
   """Model training FLOPs per token (forward + backward): 6 N + 12 L H E c.
 
-  N counts matmul parameters (the lm_head included, the embedding lookup not); c is the mean
+  N counts matmul parameters (the lm_head included, the embedding lookup not; of an MoE layer,
+  the router and the experts_per_token experts a token runs through); c is the mean
   number of keys a query attends to (attention.mean_context: causal, within its document), so
   the attention term counts the score blocks a causal, document-masked kernel computes. Remat
   recomputation is not counted (model FLOPs). PaLM's MFU convention is c = T (the full matrix).
   """
   d, h, g, e, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
-  per_layer = d * h * e * 2 + d * g * e * 2 + 3 * d * f
+  mlp = 3 * d * f * cfg.experts_per_token + d * cfg.n_experts if cfg.n_experts else 3 * d * f
+  per_layer = d * h * e * 2 + d * g * e * 2 + mlp
   n = cfg.n_layers * per_layer + d * cfg.output_vocab_size
   return 6.0 * n + 12.0 * cfg.n_layers * h * e * context
