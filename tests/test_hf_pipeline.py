@@ -2,6 +2,7 @@
 
 The tiny random checkpoints come from transformers (side venv, conftest's side_python); the
 exported student is loaded back by transformers, whose logits must match kdjax's trained student.
+Mixture-of-experts teachers (Qwen3-MoE, gpt-oss) write a cache a student distils from.
 """
 import json
 import os
@@ -25,27 +26,36 @@ def write_jsonl(path, rng, docs=60, tokens=280):
       f.write(json.dumps({"text": " ".join(f"w{w}" for w in words)}) + "\n")
 
 
-@pytest.fixture(scope="module")
-def user_run(side_python, tmp_path_factory, module_rng, hf_archs, run_side):
-  work = tmp_path_factory.mktemp("user")
-  jobs = {"make": [dict(hf_archs[n], dir=str(work / n), seed=i)
-                   for i, n in enumerate(("qwen3", "qwen3_student"))]}
-  run_side(side_python, jobs, work)
-  write_jsonl(work / "train.jsonl", module_rng)
+def run_main(work, teacher: str, stages: str) -> None:
+  """kdjax.main on the demo config, shrunk: teacher and qwen3_student checkpoints from `work`."""
   overrides = [
       f"--config.workdir={work}/run", f"--config.data.source={work}/train.jsonl",
-      f"--config.data.tokenizer={work}/qwen3", f"--config.teacher.hf_path={work}/qwen3",
+      f"--config.data.tokenizer={work}/{teacher}", f"--config.teacher.hf_path={work}/{teacher}",
       f"--config.student.hf_path={work}/qwen3_student", "--config.data.seq_len=32",
       "--config.data.eval_every=4", "--config.cache.k=16", "--config.cache.chunk_size=16",
       "--config.loss.chunk_size=24", "--config.opt.steps=4", "--config.opt.batch_size=2",
       "--config.opt.warmup_steps=1", "--config.opt.log_every=1", "--config.opt.ckpt_every=2",
-      "--config.stages=('data', 'cache', 'train', 'eval', 'export')"]
+      f"--config.stages={stages}"]
   for g in ("teacher", "student"):
     overrides += [f"--config.{g}.dtype=float32", f"--config.{g}.param_dtype=float32"]
   proc = subprocess.run([sys.executable, "-m", "kdjax.main", f"--config={ROOT}/configs/demo.py",
                          *overrides], capture_output=True, text=True, cwd=ROOT,
                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def make_checkpoints(side_python, run_side, hf_archs, work, rng, teacher: str) -> None:
+  jobs = {"make": [dict(hf_archs[n], dir=str(work / n), seed=i)
+                   for i, n in enumerate((teacher, "qwen3_student"))]}
+  run_side(side_python, jobs, work)
+  write_jsonl(work / "train.jsonl", rng)
+
+
+@pytest.fixture(scope="module")
+def user_run(side_python, tmp_path_factory, module_rng, hf_archs, run_side):
+  work = tmp_path_factory.mktemp("user")
+  make_checkpoints(side_python, run_side, hf_archs, work, module_rng, "qwen3")
+  run_main(work, "qwen3", "('data', 'cache', 'train', 'eval', 'export')")
   return work
 
 
@@ -84,3 +94,20 @@ def test_student_with_another_tokenizer_is_refused(user_run):
       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert proc.returncode != 0
   assert "tokenizer" in proc.stderr.splitlines()[-1]
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe_norm", "gpt_oss"])
+def moe_teacher_run(request, side_python, tmp_path_factory, module_rng, hf_archs, run_side):
+  """Stages data, cache, train and eval with a mixture-of-experts teacher from transformers."""
+  work = tmp_path_factory.mktemp(request.param)
+  make_checkpoints(side_python, run_side, hf_archs, work, module_rng, request.param)
+  run_main(work, request.param, "('data', 'cache', 'train', 'eval')")
+  return work
+
+
+def test_student_distils_from_a_moe_teacher(moe_teacher_run):
+  from kdjax import cache
+  store = cache.open(moe_teacher_run / "run" / "cache" / "train.zarr")
+  assert store.k == 16 and store.num_seqs > 0
+  results = json.load(open(moe_teacher_run / "run" / "eval.json"))
+  assert results["student"]["kl"] < results["student_init"]["kl"]
