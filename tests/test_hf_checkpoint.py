@@ -239,3 +239,13 @@ def test_sharded_load_shows_progress(tmp_path, monkeypatch, capsys):
   path = write(tmp_path, make_cfg())
   hf.load(path)
   assert "loading ckpt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("changes,differ", [
+    (dict(sliding_window=4), "sliding_window"),  # a Llama has none
+    (dict(n_experts=4, experts_per_token=2), "qk_norm"),  # Qwen3-MoE's experts come with it
+])
+def test_export_refuses_models_no_family_has(tmp_path, changes, differ):
+  cfg = make_cfg(**changes)
+  with pytest.raises(ValueError, match=f"no Hugging Face family kdjax writes.*{differ}"):
+    hf.export(Transformer(cfg, rngs=nnx.Rngs(0)), cfg, str(tmp_path))

@@ -121,6 +121,7 @@ def test_flops_per_token_counts_routed_experts():
     (dict(expert_weights="int4"), "expert_weights must be one of"),
     (dict(expert_weights="mxfp4"), "multiples of 32"),
     (dict(sliding_window=-1), "sliding_window must be >= 0"),
+    (dict(sliding_window=4, attention_impl="cudnn"), "'cudnn' has no attention sinks or sliding"),
 ])
 def test_validation(changes, message):
   with pytest.raises(ValueError, match=message):
