@@ -1,7 +1,7 @@
 """Mixture-of-experts MLP (Qwen3-MoE, gpt-oss): a router sends each token to U of X experts.
 
 Shape letters as in llama.py, and: X experts, U experts per token (the router's top-k), N tokens
-(positions flattened over the batch), A = N * U token-expert assignments; for packed (MXFP4)
+(positions flattened over the batch), Y = N * U token-expert assignments; for packed (MXFP4)
 experts, O rows of a stored matrix and Z blocks of 32 values along its contraction.
 
 The experts run as grouped matmuls (`jax.lax.ragged_dot`) over the assignments sorted by expert,
@@ -144,26 +144,27 @@ class MoE(nnx.Module):
     weights_NxU, experts_NxU = route(logits_NxX, cfg.experts_per_token, cfg.route_renormalize)
 
     # Assignments sorted by expert: expert i's rows are group i of the grouped matmuls.
-    expert_A = experts_NxU.reshape(-1)
-    order_A = jnp.argsort(expert_A, stable=True)
-    sorted_expert_A = expert_A[order_A]
-    group_sizes_X = jnp.bincount(expert_A, length=cfg.n_experts).astype(jnp.int32)
-    y_AxD = y_NxD[order_A // cfg.experts_per_token]
+    expert_Y = experts_NxU.reshape(-1)
+    order_Y = jnp.argsort(expert_Y, stable=True)
+    sorted_expert_Y = expert_Y[order_Y]
+    group_sizes_X = jnp.bincount(expert_Y, length=cfg.n_experts).astype(jnp.int32)
+    y_YxD = y_NxD[order_Y // cfg.experts_per_token]
     w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD = self.expert_weights(dt)
     matmul = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes_X,
                                preferred_element_type=jnp.float32)
-    gate_AxF, up_AxF = matmul(y_AxD, w_gate_XxDxF), matmul(y_AxD, w_up_XxDxF)
+    gate_YxF, up_YxF = matmul(y_YxD, w_gate_XxDxF), matmul(y_YxD, w_up_XxDxF)
     if cfg.expert_bias:
-      gate_AxF = gate_AxF + self.b_gate_XxF[...].astype(jnp.float32)[sorted_expert_A]
-      up_AxF = up_AxF + self.b_up_XxF[...].astype(jnp.float32)[sorted_expert_A]
-    h_AxF = swiglu(gate_AxF, up_AxF, cfg.swiglu_limit, cfg.swiglu_alpha).astype(dt)
-    out_AxD = matmul(h_AxF, w_down_XxFxD)
+      gate_YxF = gate_YxF + self.b_gate_XxF[...].astype(jnp.float32)[sorted_expert_Y]
+      up_YxF = up_YxF + self.b_up_XxF[...].astype(jnp.float32)[sorted_expert_Y]
+    h_YxF = swiglu(gate_YxF, up_YxF, cfg.swiglu_limit, cfg.swiglu_alpha).astype(dt)
+    out_YxD = matmul(h_YxF, w_down_XxFxD)
     if cfg.expert_bias:
-      out_AxD = out_AxD + self.b_down_XxD[...].astype(jnp.float32)[sorted_expert_A]
+      out_YxD = out_YxD + self.b_down_XxD[...].astype(jnp.float32)[sorted_expert_Y]
 
     # Back to token order (a gather by the inverse permutation), then the weighted sum over U.
-    a = order_A.shape[0]
-    inverse_A = jnp.zeros((a,), jnp.int32).at[order_A].set(jnp.arange(a, dtype=jnp.int32))
-    out_NxUxD = out_AxD[inverse_A].reshape(b * t, cfg.experts_per_token, d)
+    assignments = order_Y.shape[0]
+    inverse_Y = jnp.zeros((assignments,), jnp.int32).at[order_Y].set(
+        jnp.arange(assignments, dtype=jnp.int32))
+    out_NxUxD = out_YxD[inverse_Y].reshape(b * t, cfg.experts_per_token, d)
     out_NxD = jnp.einsum("nud,nu->nd", out_NxUxD, weights_NxU)
     return out_NxD.reshape(b, t, d).astype(dt)
