@@ -18,7 +18,7 @@ class Checkpoints:
   """Orbax checkpoints of the train state, the loader position and the model shape."""
 
   def __init__(self, directory: str, model_cfg: llama.ModelConfig, keep: int = 2):
-    self.model_meta = json.loads(json.dumps(dataclasses.asdict(model_cfg), default=dict))
+    self.model_meta = _meta(model_cfg)
     self.manager = ocp.CheckpointManager(os.path.abspath(directory),
                                          options=ocp.CheckpointManagerOptions(max_to_keep=keep,
                                                                               create=True))
@@ -40,6 +40,8 @@ class Checkpoints:
 
   def _check_model(self, step: int):
     meta = self.manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
+    # A field added to ModelConfig after the checkpoint was written has its default there.
+    meta = {**_meta(llama.ModelConfig()), **meta}
     if meta != self.model_meta:
       diff = {k: (meta.get(k), v) for k, v in self.model_meta.items() if meta.get(k) != v}
       raise ValueError(
@@ -57,6 +59,11 @@ class Checkpoints:
 
   def close(self):
     self.manager.close()
+
+
+def _meta(model_cfg: llama.ModelConfig) -> dict:
+  """The model's fields as the checkpoint's JSON holds them."""
+  return json.loads(json.dumps(dataclasses.asdict(model_cfg), default=dict))
 
 
 def restore_finished(workdir: str, model_cfg: llama.ModelConfig, steps: int):

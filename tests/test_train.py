@@ -211,6 +211,25 @@ def test_restore_finished_reads_the_parameters_only(tmp_path, rng):
     checkpoints.restore_finished(workdir, tiny_model_cfg(d_model=48), steps=4)
 
 
+def test_checkpoint_from_before_a_model_field_existed_restores(tmp_path, rng):
+  """A checkpoint whose model JSON lacks a field added to ModelConfig since (here qk_norm) holds
+  that field's default: it restores; a changed value is still refused."""
+  import glob
+  import json
+  store = make_cache(tmp_path / "c.zarr", rng)
+  fit(tmp_path, store, opt=opt_group(steps=2))
+  [path] = [p for p in glob.glob(str(tmp_path / "run" / "ckpt" / "2" / "model" / "*"))
+            if '"d_model"' in open(p).read()]
+  with open(path) as f:
+    meta = json.load(f)
+  del meta["qk_norm"]
+  with open(path, "w") as f:
+    json.dump(meta, f)
+  assert checkpoints.restore_finished(str(tmp_path / "run"), tiny_model_cfg(), steps=2)
+  with pytest.raises(ValueError, match="different model.*qk_norm"):
+    checkpoints.restore_finished(str(tmp_path / "run"), tiny_model_cfg(qk_norm=True), steps=2)
+
+
 def test_to_step_batch_shapes_and_one_hot_teacher():
   rows = {"tokens": np.arange(4 * T, dtype=np.int32).reshape(4, T),
           "positions": np.zeros((4, T), np.int32), "segment_ids": np.ones((4, T), np.int32),
