@@ -12,7 +12,8 @@ The teacher's [B, T, V] logits never exist at once: positions are processed in c
 projected through the lm_head in float32, normalised over the full vocabulary and reduced to its
 top K before the next chunk. Work is done region by region (the cache's unit of crash safety), so a
 killed run, started again, continues with the first unfinished region; ranks of a multi-process run
-take disjoint regions, and a second writer of a rank already running is refused (its lock file).
+take disjoint regions, and a second writer of a rank already running is refused (its lock file); a
+rank with nothing left to write returns at once, without the lock.
 """
 import concurrent.futures
 import hashlib
@@ -131,6 +132,8 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
   store = cache.create(cache_path, num_seqs=data_store.num_seqs, seq_len=data_store.seq_len, k=k,
                        vocab_size=vocab_size, attrs=attrs, layout=layout,
                        region_rows=region_rows or data_store.region_rows, hidden_dim=hidden_dim)
+  if not store.missing(rank, world):  # complete: a reader, which any number may be at once
+    return store
   with store.writer_lock(rank):
     failpoints.hit("locked")
     _write_regions(store, data_store, store.missing(rank, world), model, projection_DxH, k=k,

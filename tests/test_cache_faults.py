@@ -244,6 +244,10 @@ def test_a_second_writer_of_one_rank_is_refused(tmp_path, new_store, make_data, 
                                                r"rank 1 is running"):
       write(tiny_teacher(), data, tmp_path / "cache", rank=1, world=2)
   assert cached.missing() == [(2, 4)]
+  # A rank with nothing left to write takes no lock: processes sharing a finished cache start.
+  write(tiny_teacher(), data, tmp_path / "cache", rank=0, world=2)
+  with cached.writer_lock(0):
+    write(tiny_teacher(), data, tmp_path / "cache", rank=0, world=2)
 
 
 def test_shards_are_durable_before_their_record(tmp_path, monkeypatch, make_rows, new_store):
