@@ -19,10 +19,11 @@ Each run is measured on the held-out split with the teacher run online
 (kdjax.evaluate.evaluate_online): `full_kl` KL(teacher || student) over the whole vocabulary,
 `top1` agreement, `ce` on the true tokens, `ece` (expected calibration error, 15 bins), and
 `bytes_per_position`, what its cache's top-k arrays take on disk per position (0 for online),
-and `hidden_bytes_per_position` its hidden states. One JSON line per run is appended to
---results; a run whose line is already there (same objective, k, seed, temperature, ce_weight,
-hidden_weight, hidden_dim and teacher) is not run again, so a stopped study resumes where it
-stopped. The plot beside it (.png, _VARIANT.png): full KL and CE against k, one line per
+and `hidden_bytes_per_position` its hidden states (`teacher_ce`: the teacher's own CE). One
+JSON line per run is appended to --results; a run whose line is already there (same objective,
+k, seed, temperature, ce_weight, hidden_weight, hidden_dim and teacher) is not run again, so a
+stopped study resumes where it stopped. `--table` prints a teacher's results as BENCHMARKS.md
+shows them (and redraws the plot). The plot beside it (.png, _VARIANT.png): full KL and CE against k, one line per
 objective (mean, seed range as error bars), online as a band.
 
 On one GPU the tiny students leave it mostly idle: `--prepare-only` once, then N processes with
@@ -113,6 +114,7 @@ def distil(prep, args, teacher, caches, *, objective, k, seed, temperature=1.0,
           "hidden_dim": hidden_dim, "teacher": teacher_name(args),
           **{m: online[m if m != "top1" else "top1_agreement"] for m in METRICS},
           "cached_kl": cached["kl"], "positions": online["positions"],
+          "teacher_ce": args.teacher_ce,
           "bytes_per_position": (bytes_per_position(c.cache.path) if objective != "online"
                                  else 0.0),
           "hidden_bytes_per_position": (bytes_per_position(c.cache.path, ("hidden",))
@@ -152,8 +154,34 @@ def plot(lines: list[dict], png: str):
         ax.errorbar(ks, mean, yerr=err, marker="o", capsize=3, label=objective)
     ax.set(xscale="log", xlabel="k (cached entries per position)", ylabel=label)
     ax.legend()
+  fig.suptitle(f"student distilled from {lines[0]['teacher']}; 3 seeds per point", fontsize=10)
   fig.tight_layout()
   fig.savefig(png, dpi=100)
+
+
+def table(lines: list[dict]) -> str:
+  """Markdown: one row per arm (objective, k, temperature, CE mix, hidden width) of one teacher,
+  means over seeds with the (min-max) range."""
+  arms = {}
+  for r in lines:
+    arm = (r["objective"], r["k"] or 0, r["temperature"], r["ce_weight"], r.get("hidden_dim", 0))
+    arms.setdefault(arm, []).append(r)
+  out = ["| objective | k | T | ce_weight | hidden | seeds | full KL | top-1 | CE | ECE | bytes/pos |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for (objective, k, temperature, ce_weight, hidden_dim), runs in sorted(arms.items()):
+    cells = []
+    for m in METRICS:
+      v = [r[m] for r in runs]
+      cells.append(f"{np.mean(v):.4f}" + (f" ({min(v):.4f}-{max(v):.4f})" if len(v) > 1 else ""))
+    size = runs[0]["bytes_per_position"] + runs[0].get("hidden_bytes_per_position", 0.0)
+    seeds = ",".join(str(r["seed"]) for r in sorted(runs, key=lambda r: r["seed"]))
+    out.append(f"| {objective} | {k or '-'} | {temperature:g} | {ce_weight:g} | "
+               f"{hidden_dim or '-'} | {seeds} | " + " | ".join(cells) + f" | {size:.1f} |")
+  return "\n".join(out)
+
+
+def plot_path(args) -> str:
+  return os.path.splitext(args.results)[0] + (f"_{args.variant}" if args.variant else "") + ".png"
 
 
 def read_results(path: str) -> dict:
@@ -174,12 +202,20 @@ def main():
   parser.add_argument("--variant", default="", choices=["", "smoke", "large"])
   parser.add_argument("--prepare-only", action="store_true",
                       help="make the data, teacher and caches, then stop (before --shard runs)")
+  parser.add_argument("--table", action="store_true",
+                      help="print the results file's table for --variant's teacher and redraw "
+                           "its plot; run nothing")
   parser.add_argument("--shard", default="0/1",
                       help="I/N: run every N-th run from the I-th (N processes share one GPU); "
                            "each waits for the others' lines before the next phase")
   args = parser.parse_args()
   seeds, ks = [int(s) for s in args.seeds.split(",")], [int(k) for k in args.ks.split(",")]
   shard, shards = map(int, args.shard.split("/"))
+  if args.table:
+    lines = [r for r in read_results(args.results).values() if r["teacher"] == teacher_name(args)]
+    print(table(lines))
+    plot(lines, plot_path(args))
+    return
   prep = demo_ab.prepare(args.out, args.variant)
   teacher = pipeline.finished_model(prep, pipeline.Paths.from_config(prep), "teacher",
                                     prep.teacher, prep.pretrain)
@@ -190,6 +226,10 @@ def main():
   caches.update({(top, h): cache_for(prep, args.out, top, h) for h in hidden_dims})
   if args.prepare_only:
     return
+  # The teacher's own held-out CE, the floor of the students' (recorded in every line).
+  args.teacher_ce = evaluate.evaluate_online(
+      teacher, teacher, cache.open(os.path.join(prep.workdir, "data", "eval.zarr")),
+      batch_size=prep.eval.batch_size, max_seqs=prep.eval.max_seqs)["ce"]
 
   def key_of(spec):
     hidden_dim = spec.get("hidden_dim", 0)
@@ -226,8 +266,7 @@ def main():
                     for arm in [dict(temperature=2.0), dict(ce_weight=0.5)]
                     + [dict(hidden_dim=h) for h in hidden_dims]])
   if shard == 0:
-    variant = f"_{args.variant}" if args.variant else ""
-    plot(lines, os.path.splitext(args.results)[0] + variant + ".png")
+    plot(lines, plot_path(args))
 
 
 if __name__ == "__main__":

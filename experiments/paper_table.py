@@ -119,7 +119,8 @@ def baseline_grad_step(trained_params, grads_sum, batch, teacher_params, *, grap
 
 
 def run(method: str, args) -> dict:
-  c = e2e_bench.load_config(args.config, [])
+  # The paper's objective, so that every method computes the same loss (configs default to tail).
+  c = e2e_bench.load_config(args.config, ["loss.objective=sparse"])
   seq_len, accum = c.data.seq_len, c.opt.accum_steps
   student_cfg = pipeline.model_config(c.student, 128256)
   rng = np.random.default_rng(0)
