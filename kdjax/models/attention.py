@@ -11,8 +11,9 @@ attention sinks add one learned logit per head to each softmax's denominator (a 
 value): a query may give little weight to every key.
 
 Two implementations of that one function:
-  * `attention_einsum`, the reference: a dense [T, S] score matrix and mask, any device; the only
-    one with sinks and sliding windows.
+  * `attention_einsum`, the reference: a dense [T, S] score matrix and mask, any device, in
+    blocks of QUERY_BLOCK queries for longer rows (a sliding-window block reads only the keys in
+    its window); the only one with sinks and sliding windows.
   * `attention_cudnn`: cuDNN flash attention in its packed (ragged) layout on GPU. Each document
     is handed over as an offset and a length, so no [T, S] array exists in the forward or the
     backward pass and the blocks that straddle two documents are never computed. Memory is
@@ -86,25 +87,70 @@ def document_mask(segment_ids_BxT: jax.Array, window: int = 0) -> jax.Array:
   """[B, T, S] bool: query t sees key s iff s <= t and both are in the same nonzero segment
   (and t - s < window, if window > 0)."""
   idx_T = jnp.arange(segment_ids_BxT.shape[1])
-  causal_TxS = idx_T[:, None] >= idx_T[None, :]
+  return _mask(segment_ids_BxT, segment_ids_BxT, idx_T, idx_T, window)
+
+
+def _mask(seg_q_BxT, seg_k_BxS, idx_q_T, idx_k_S, window: int) -> jax.Array:
+  """document_mask of queries at positions idx_q_T against keys at positions idx_k_S."""
+  causal_TxS = idx_q_T[:, None] >= idx_k_S[None, :]
   if window:
-    causal_TxS = causal_TxS & (idx_T[:, None] - idx_T[None, :] < window)
-  seg_q_BxTx1 = segment_ids_BxT[:, :, None]
-  seg_k_Bx1xS = segment_ids_BxT[:, None, :]
-  return causal_TxS[None] & (seg_q_BxTx1 == seg_k_Bx1xS) & (seg_q_BxTx1 != 0)
+    causal_TxS = causal_TxS & (idx_q_T[:, None] - idx_k_S[None, :] < window)
+  seg_q_BxTx1 = seg_q_BxT[:, :, None]
+  return causal_TxS[None] & (seg_q_BxTx1 == seg_k_BxS[:, None, :]) & (seg_q_BxTx1 != 0)
+
+
+# Queries per block of the einsum path: one block's float32 scores, [B, H, 2048, S], exist at a
+# time (forward and backward), not [B, H, T, S]: 4 GiB at gpt-oss's 64 heads and S = 8K, B = 1.
+QUERY_BLOCK = 2048
 
 
 def attention_einsum(q_BxTxHxE: jax.Array, k_BxSxGxE: jax.Array, v_BxSxGxE: jax.Array,
                      segment_ids_BxT: jax.Array, sinks_H: jax.Array | None = None,
-                     window: int = 0) -> jax.Array:
-  """Reference: plain einsums with an O(T^2) float32 score matrix per head; sinks_H (logits)
-  and window as in the module docstring."""
+                     window: int = 0, query_block: int = QUERY_BLOCK) -> jax.Array:
+  """Reference: plain einsums with a float32 score matrix per head; sinks_H (logits) and window
+  as in the module docstring. Rows longer than query_block go through in blocks of that many
+  queries (each recomputed in the backward pass), against all keys, or, in a sliding-window
+  layer, against the block's own keys and the window - 1 before them."""
+  b, t, h, e = q_BxTxHxE.shape
+  if t <= query_block:
+    return _attend(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE,
+                   document_mask(segment_ids_BxT, window), sinks_H)
+  c, n = query_block, -(-t // query_block)
+  pad = n * c - t
+  pad_q = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+  blocks = lambda x: pad_q(x).reshape((b, n, c) + x.shape[2:]).swapaxes(0, 1)
+  # Keys padded in front by window - 1 (segment 0: nobody sees them), so block i's keys are the
+  # padded rows i * C .. i * C + span.
+  lead = window - 1 if window else 0
+  span = c + lead if window else t
+  pad_k = lambda x: jnp.pad(x, [(0, 0), (lead, pad if window else 0)] + [(0, 0)] * (x.ndim - 2))
+  k_BxSxGxE, v_BxSxGxE, seg_k_BxS = (pad_k(x) for x in (k_BxSxGxE, v_BxSxGxE, segment_ids_BxT))
+
+  @jax.checkpoint
+  def one_block(args):
+    i, q_BxCxHxE, seg_q_BxC = args
+    start = i * c if window else 0
+    keys = [jax.lax.dynamic_slice_in_dim(x, start, span, axis=1)
+            for x in (k_BxSxGxE, v_BxSxGxE, seg_k_BxS)]
+    idx_q_C = i * c + jnp.arange(c)
+    idx_k_S = start - lead + jnp.arange(span)
+    mask_BxCxS = _mask(seg_q_BxC, keys[2], idx_q_C, idx_k_S, window)
+    return _attend(q_BxCxHxE, keys[0], keys[1], mask_BxCxS, sinks_H)
+
+  out_NxBxCxHxE = jax.lax.map(one_block, (jnp.arange(n), blocks(q_BxTxHxE),
+                                          blocks(segment_ids_BxT)))
+  return out_NxBxCxHxE.swapaxes(0, 1).reshape(b, n * c, h, e)[:, :t]
+
+
+def _attend(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, mask_BxTxS, sinks_H):
+  """Softmax attention of queries against keys under a [B, T, S] mask (einsums, float32
+  scores)."""
   b, t, h, e = q_BxTxHxE.shape
   g = k_BxSxGxE.shape[2]
   q_BxTxGxRxE = q_BxTxHxE.reshape(b, t, g, h // g, e)
   scores_BxGxRxTxS = jnp.einsum("btgre,bsge->bgrts", q_BxTxGxRxE, k_BxSxGxE,
                                 preferred_element_type=jnp.float32) / math.sqrt(e)
-  mask_Bx1x1xTxS = document_mask(segment_ids_BxT, window)[:, None, None]
+  mask_Bx1x1xTxS = mask_BxTxS[:, None, None]
   # A finite fill keeps fully masked (padding) rows NaN-free; they are zeroed below.
   scores_BxGxRxTxS = jnp.where(mask_Bx1x1xTxS, scores_BxGxRxTxS, jnp.finfo(jnp.float32).min)
   if sinks_H is None:
