@@ -16,7 +16,8 @@ of unequal length per row, random top-k entries. Steps run through `train.train_
 `cache.Loader`, as `train.fit` runs them (fit adds checkpoints and logging). The first step
 compiles; the median of the rest is reported.
 
-teacher: a RANDOM-weight Llama-3.1-8B-shaped teacher (bf16) writes a compact top-100 cache of
+teacher: a RANDOM-weight Llama-3.1-8B-shaped teacher (bf16; the config's teacher: gpt-oss's with
+configs/gpt_oss.py, its MXFP4 experts random packed codes) writes a compact top-100 cache of
 synthetic packed rows through `teacher.write_cache` (tokens/s with the zarr write), and the
 jitted teacher step alone (device only).
 
@@ -65,6 +66,14 @@ SWEEP = {
             "--memory --mem-fraction 0.95 --set opt.state_memory=host",
     "teacher-8k": "teacher --seq-len 8192 --docs 4 --rows 64",
     "teacher-32k": "teacher --seq-len 32768 --docs 8 --rows 16",
+    # gpt-oss (configs/gpt_oss.py): RANDOM MXFP4 teachers built on the GPU (the 120b's ~61 GB of
+    # packed experts would not fit the disk beside a checkpoint), and the MoE student at 32K.
+    "teacher-gpt-oss-20b-8k": "teacher --config configs/gpt_oss.py:20b --seq-len 8192 --docs 4 "
+                              "--rows 16 --mem-fraction 0.9",
+    "teacher-gpt-oss-120b-8k": "teacher --config configs/gpt_oss.py --seq-len 8192 --docs 4 "
+                               "--rows 16 --mem-fraction 0.9",
+    "gpt-oss-32k": "student --config configs/gpt_oss.py --docs 8 --steps 2 --memory "
+                   "--mem-fraction 0.9",
 }
 
 
@@ -110,7 +119,8 @@ def run_student(args) -> dict:
   accum = args.accum or c.opt.accum_steps
   rows = c.opt.batch_size * accum
   rng = np.random.default_rng(0)
-  model_cfg = pipeline.model_config(c.student, 128256)
+  # vocab_size 0 in a group is the tokenizer's: the teacher's in these configs
+  model_cfg = pipeline.model_config(c.student, c.teacher.vocab_size or 128256)
   directory = os.path.join(args.dir, f"student_{seq_len}_{rows}_{args.docs}")
   shutil.rmtree(directory, ignore_errors=True)
   t0 = time.perf_counter()
@@ -186,7 +196,7 @@ def print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, o
 
 def run_teacher(args) -> dict:
   c = load_config(args.config, args.set)
-  model_cfg = pipeline.model_config(c.teacher, 128256)
+  model_cfg = pipeline.model_config(c.teacher, c.teacher.vocab_size or 128256)
   model = llama.Transformer(model_cfg, rngs=nnx.Rngs(0))
   vocab, seq_len, k = model_cfg.vocab_size, args.seq_len, c.cache.k
   rng = np.random.default_rng(0)

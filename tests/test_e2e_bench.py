@@ -8,10 +8,10 @@ import pytest
 pytestmark = pytest.mark.slow  # whole runs in subprocesses: not in the fast subset
 
 
-def run(tmp_path, *args):
+def run(tmp_path, *args, config="configs/8k.py:smoke"):
   out = tmp_path / "e2e.jsonl"
   subprocess.run([sys.executable, "experiments/e2e_bench.py", *args, "--config",
-                  "configs/8k.py:smoke", "--seq-len", "128", "--docs", "3", "--json", str(out),
+                  config, "--seq-len", "128", "--docs", "3", "--json", str(out),
                   "--dir", str(tmp_path / "work")], check=True, env={"JAX_PLATFORMS": "cpu",
                                                                      "PATH": "/usr/bin:/bin"})
   return json.loads(out.read_text().splitlines()[-1])
@@ -22,6 +22,17 @@ def test_student_and_teacher_modes(tmp_path):
   assert student["kind"] == "student" and student["accum_steps"] == 2 and student["packed"]
   assert student["tokens_per_s"] > 0 and student["step_s"] > 0
   teacher = run(tmp_path, "teacher", "--rows", "2")
+  assert teacher["kind"] == "teacher" and teacher["tokens_per_s"] > 0
+
+
+def test_gpt_oss_modes(tmp_path):
+  """configs/gpt_oss.py's shapes in miniature: the MoE student's step, and a teacher with
+  sinks, a sliding window and random MXFP4 experts writing its cache."""
+  student = run(tmp_path, "student", "--accum", "1", "--steps", "2",
+                config="configs/gpt_oss.py:smoke")
+  assert student["tokens_per_s"] > 0 and student["model_tflops"] > 0
+  teacher = run(tmp_path, "teacher", "--rows", "2", "--set", "teacher.expert_weights=mxfp4",
+                config="configs/gpt_oss.py:smoke")
   assert teacher["kind"] == "teacher" and teacher["tokens_per_s"] > 0
 
 

@@ -12,8 +12,8 @@ value): a query may give little weight to every key.
 
 Two implementations of that one function:
   * `attention_einsum`, the reference: a dense [T, S] score matrix and mask, any device, in
-    blocks of QUERY_BLOCK queries for longer rows (a sliding-window block reads only the keys in
-    its window); the only one with sinks and sliding windows.
+    blocks of queries for long rows (SCORE_BYTES of scores at a time; a sliding-window block
+    reads only the keys in its window); the only one with sinks and sliding windows.
   * `attention_cudnn`: cuDNN flash attention in its packed (ragged) layout on GPU. Each document
     is handed over as an offset and a length, so no [T, S] array exists in the forward or the
     backward pass and the blocks that straddle two documents are never computed. Memory is
@@ -99,19 +99,24 @@ def _mask(seg_q_BxT, seg_k_BxS, idx_q_T, idx_k_S, window: int) -> jax.Array:
   return causal_TxS[None] & (seg_q_BxTx1 == seg_k_BxS[:, None, :]) & (seg_q_BxTx1 != 0)
 
 
-# Queries per block of the einsum path: one block's float32 scores, [B, H, 2048, S], exist at a
-# time (forward and backward), not [B, H, T, S]: 4 GiB at gpt-oss's 64 heads and S = 8K, B = 1.
-QUERY_BLOCK = 2048
+# The einsum path takes queries in blocks whose float32 scores [B, H, block, S] stay within
+# SCORE_BYTES (forward and backward), not [B, H, T, S]: at gpt-oss's 64 heads, B = 1, 2048
+# queries at S = 4K, 256 at S = 32K (its full layers: 17 GiB in one piece at 8K).
+SCORE_BYTES = 2 << 30
 
 
 def attention_einsum(q_BxTxHxE: jax.Array, k_BxSxGxE: jax.Array, v_BxSxGxE: jax.Array,
                      segment_ids_BxT: jax.Array, sinks_H: jax.Array | None = None,
-                     window: int = 0, query_block: int = QUERY_BLOCK) -> jax.Array:
+                     window: int = 0, query_block: int | None = None) -> jax.Array:
   """Reference: plain einsums with a float32 score matrix per head; sinks_H (logits) and window
-  as in the module docstring. Rows longer than query_block go through in blocks of that many
-  queries (each recomputed in the backward pass), against all keys, or, in a sliding-window
-  layer, against the block's own keys and the window - 1 before them."""
+  as in the module docstring. Rows longer than query_block (default: sized to SCORE_BYTES) go
+  through in blocks of that many queries (each recomputed in the backward pass), against all
+  keys, or, in a sliding-window layer, against the block's own keys and the window - 1 before
+  them."""
   b, t, h, e = q_BxTxHxE.shape
+  if query_block is None:
+    keys = min(t, window + 2048) if window else t
+    query_block = max(16, min(2048, SCORE_BYTES // (4 * b * h * keys)))
   if t <= query_block:
     return _attend(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE,
                    document_mask(segment_ids_BxT, window), sinks_H)

@@ -1,0 +1,59 @@
+"""Distil a gpt-oss teacher into a gpt-oss-shaped mixture-of-experts student on one H200.
+
+    python -m kdjax.main --config=configs/gpt_oss.py --config.teacher.hf_path=PATH \
+        --config.data.tokenizer=PATH --config.data.source=data.jsonl
+
+Needs: one H200, a gpt-oss-120b checkpoint (MXFP4 experts; they stay packed on the GPU and are
+dequantised one layer at a time) and a jsonl/parquet dataset; configs/gpt_oss.py:20b takes
+gpt-oss-20b. The teacher writes its top-100 (compact layout) once at 8K per row; the student has
+gpt-oss-20b's layer shapes (32 experts, top-4, V = 201,088) with STUDENT_LAYERS layers, float32
+parameters and AdamW, and trains at 32K with the fused loss. Its attention is plain causal (no
+sinks, no sliding window), so it runs on cuDNN; the teacher's sinks and windows run on the
+blocked einsum path (kdjax/models/attention.py).
+CPU variant for tests: --config=configs/gpt_oss.py:smoke
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import long_context  # noqa: E402
+
+STUDENT_LAYERS = 6  # gpt-oss-20b has 24; as many as fit one H200 with float32 AdamW at 32K
+VOCAB = 201088  # o200k_harmony
+
+
+def gpt_oss(g, n_layers: int, n_experts: int, packed: bool):
+  """gpt-oss's shapes (its config.json's values; with hf_path set they are read from there)."""
+  g.update(vocab_size=VOCAB, d_model=2880, n_layers=n_layers, n_heads=64, n_kv_heads=8,
+           head_dim=64, d_ff=2880, rope_theta=150000.0, norm_eps=1e-5, tie_embeddings=False,
+           n_experts=n_experts, experts_per_token=4, route_renormalize=True, expert_bias=True,
+           swiglu_limit=7.0, swiglu_alpha=1.702, expert_weights="mxfp4" if packed else "float",
+           attention_bias=True, attention_sinks=True, sliding_window=128)
+  g.rope_scaling = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                        original_max_position_embeddings=4096, truncate=False)
+
+
+def get_config(variant: str = ""):
+  c = long_context.long_context(32768, "runs/gpt_oss", "smoke" if variant == "smoke" else "")
+  if variant == "smoke":
+    c.workdir = "runs/gpt_oss_smoke"
+    for g, layers in ((c.teacher, 2), (c.student, 1)):
+      g.update(n_experts=4, experts_per_token=2, route_renormalize=True, expert_bias=True,
+               swiglu_limit=7.0, attention_bias=True, n_layers=layers)
+    c.teacher.update(attention_sinks=True, sliding_window=8)
+    return c
+  if variant not in ("", "20b"):
+    raise ValueError(f"unknown variant {variant!r}; use configs/gpt_oss.py (gpt-oss-120b), "
+                     f"configs/gpt_oss.py:20b or configs/gpt_oss.py:smoke")
+  big = variant != "20b"
+  c.teacher.hf_path = "checkpoints/gpt-oss-120b" if big else "checkpoints/gpt-oss-20b"
+  c.data.tokenizer = c.teacher.hf_path
+  gpt_oss(c.teacher, n_layers=36 if big else 24, n_experts=128 if big else 32, packed=True)
+  c.teacher.update(dtype="bfloat16", param_dtype="bfloat16")
+  gpt_oss(c.student, n_layers=STUDENT_LAYERS, n_experts=32, packed=False)
+  # vocab_size 0: the tokenizer's (the teacher's); no sinks or window, so cuDNN attention
+  c.student.update(vocab_size=0, attention_sinks=False, sliding_window=0, dtype="bfloat16",
+                   param_dtype="float32")
+  c.student.rope_scaling = {}  # trained at 32K from the start: plain RoPE
+  c.cache.chunk_size = 2048  # [C, V] float32 logits of the teacher: 1.5 GiB at V = 201,088
+  return c
