@@ -295,6 +295,25 @@ def _keep_metrics_until(path: str, step: int):
   durable.write_text(path, "".join(kept))
 
 
+def _restore(ckpt: Checkpoints, step: int, state: dict, tx) -> tuple[dict, dict]:
+  """Checkpoint `step` in the structure of `state`. One written before the optimizer updated
+  `trained`'s dict (its moments keyed like the model's parameters alone) is read in that layout
+  and its moments rekeyed, so a run started with an older kdjax resumes."""
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  try:
+    return ckpt.restore(step, abstract)
+  except Exception as error:  # orbax names the first difference of the trees
+    if set(trained(state)) != {"params"}:
+      raise
+    try:
+      old, loader_state = ckpt.restore(step, {**abstract, "opt": jax.eval_shape(
+          tx.init, abstract["params"])})
+    except Exception:
+      raise error from None
+  opt = jax.tree.unflatten(jax.tree.structure(abstract["opt"]), jax.tree.leaves(old["opt"]))
+  return {**old, "opt": opt}, loader_state
+
+
 def _hidden_projection(loss: LossSettings, model_cfg: llama.ModelConfig, store, seed: int):
   """The learned projection [D, H] of the hidden-state term, initialised N(0, 1/D) (so it keeps
   a vector's squared norm on average), when the term is on and the widths differ; else None."""
@@ -331,7 +350,7 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   _keep_metrics_until(metrics_path, start)
   if start:
-    state, loader_state = ckpt.restore(start, jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
+    state, loader_state = _restore(ckpt, start, state, tx)
     loader.restore(loader_state)
     logging.info("%s: resumed from step %d", name, start)
   if start >= opt.steps:

@@ -80,23 +80,54 @@ def test_hard_label_loss_is_cross_entropy(tmp_path, rng):
     np.testing.assert_allclose(r["kl"], r["ce"], rtol=1e-5)
 
 
-def test_crash_resumes_to_identical_parameters(tmp_path, monkeypatch, rng):
-  store = make_cache(tmp_path / "c.zarr", rng)
-  straight = params_of(fit(tmp_path, store, name="straight"))
-
+def crash_at_step_5(tmp_path, monkeypatch, store, name="crashed"):
+  """A run killed in its step 5: its checkpoint of step 4 is on disk."""
   real_step, calls = train.train_step, []
 
-  def crash_at_step_5(state, grads_sum, batch, **kw):
+  def crashing(state, grads_sum, batch, **kw):
     calls.append(1)
     if len(calls) == 5:
       raise RuntimeError("simulated crash")
     return real_step(state, grads_sum, batch, **kw)
 
-  monkeypatch.setattr(train, "train_step", crash_at_step_5)
+  monkeypatch.setattr(train, "train_step", crashing)
   with pytest.raises(RuntimeError, match="simulated crash"):
-    fit(tmp_path, store, name="crashed")
+    fit(tmp_path, store, name=name)
   monkeypatch.setattr(train, "train_step", real_step)
-  assert checkpoints.Checkpoints(str(tmp_path / "crashed" / "ckpt"), tiny_model_cfg()).latest_step() == 4
+  assert checkpoints.Checkpoints(str(tmp_path / name / "ckpt"), tiny_model_cfg()).latest_step() == 4
+
+
+def test_crash_resumes_to_identical_parameters(tmp_path, monkeypatch, rng):
+  store = make_cache(tmp_path / "c.zarr", rng)
+  straight = params_of(fit(tmp_path, store, name="straight"))
+  crash_at_step_5(tmp_path, monkeypatch, store)
+  resumed = params_of(fit(tmp_path, store, name="crashed"))
+  for a, b in zip(straight, resumed):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_checkpoint_in_the_older_state_layout_resumes(tmp_path, monkeypatch, rng):
+  """A checkpoint whose AdamW moments are keyed like the model's parameters alone (written before
+  the optimizer updated train.trained's dict) resumes to the parameters of an unbroken run."""
+  import shutil
+  store = make_cache(tmp_path / "c.zarr", rng)
+  straight = params_of(fit(tmp_path, store, name="straight"))
+  crash_at_step_5(tmp_path, monkeypatch, store)
+  directory = str(tmp_path / "crashed" / "ckpt")
+  opt = opt_group()
+  tx, _ = train.make_optimizer(opt)
+  _, params = nnx.split(llama.Transformer(tiny_model_cfg(), rngs=nnx.Rngs(0)))
+  state, _ = train.init_state(params, tx, opt)
+  ckpt = checkpoints.Checkpoints(directory, tiny_model_cfg())
+  state, loader_state = ckpt.restore(4, jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype), state))
+  ckpt.close()
+  older = {**state, "opt": jax.tree.unflatten(jax.tree.structure(tx.init(state["params"])),
+                                              jax.tree.leaves(state["opt"]))}
+  shutil.rmtree(directory)
+  ckpt = checkpoints.Checkpoints(directory, tiny_model_cfg())
+  ckpt.save(4, older, loader_state)
+  ckpt.close()
   resumed = params_of(fit(tmp_path, store, name="crashed"))
   for a, b in zip(straight, resumed):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
