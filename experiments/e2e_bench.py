@@ -19,7 +19,8 @@ compiles; the median of the rest is reported.
 teacher: a RANDOM-weight Llama-3.1-8B-shaped teacher (bf16; the config's teacher: gpt-oss's with
 configs/gpt_oss.py, its MXFP4 experts random packed codes) writes a compact top-100 cache of
 synthetic packed rows through `teacher.write_cache` (tokens/s with the zarr write), and the
-jitted teacher step alone (device only).
+jitted teacher step alone (device only; its model FLOP/s, forward: a third of the convention
+below; XLA's memory plan of the step, printed before it runs).
 
 FLOP convention (model FLOPs, no recomputation): per token 6 N (N = matmul parameters, lm_head
 included) plus attention 12 L H E c, where c is the mean number of keys a query sees (causal,
@@ -216,6 +217,13 @@ def run_teacher(args) -> dict:
   inputs = [rows[name] for name in ("tokens", "positions", "segment_ids")]
   kw = dict(k=k, chunk_size=chunk, vocab_size=vocab, hidden=False,
             max_documents=attention.documents_bound(rows["segment_ids"]))
+  # XLA's plan first: printed even when the step then runs out of memory
+  memory = teacher._teacher_step.lower(graphdef, state, None, *inputs, **kw).compile(
+      ).memory_analysis()
+  plan = {key: round(getattr(memory, f"{key}_size_in_bytes") / 2**30, 2)
+          for key in ("argument", "output", "temp")}
+  print(f"teacher step plan: weights and inputs {plan['argument']:.2f} GiB, temporaries "
+        f"{plan['temp']:.2f} GiB", flush=True)
   jax.block_until_ready(teacher._teacher_step(graphdef, state, None, *inputs, **kw))  # compiles
   times = []
   for _ in range(5):
@@ -233,6 +241,10 @@ def run_teacher(args) -> dict:
   return {"kind": "teacher", "seq_len": seq_len, "batch_size": batch_size,
           "docs_per_row": args.docs, "packed": args.docs > 1, "rows": args.rows,
           "tokens_per_s": args.rows * seq_len / seconds, "device_tokens_per_s": device_tok_s,
+          "plan_gib": plan,
+          "model_tflops": device_tok_s * llama.flops_per_token(
+              model_cfg, attention.mean_context(data.read(slice(0, args.rows))["segment_ids"]))
+          / 3 / 1e12,  # forward only: a third of the training FLOPs
           "layout": c.cache.layout, "peak_gib": peak_gib()}
 
 

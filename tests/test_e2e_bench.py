@@ -34,6 +34,7 @@ def test_gpt_oss_modes(tmp_path):
   teacher = run(tmp_path, "teacher", "--rows", "2", "--set", "teacher.expert_weights=mxfp4",
                 config="configs/gpt_oss.py:smoke")
   assert teacher["kind"] == "teacher" and teacher["tokens_per_s"] > 0
+  assert teacher["model_tflops"] > 0 and teacher["plan_gib"]["argument"] > 0
 
 
 def test_paper_table_runs_all_four_methods(tmp_path):
