@@ -195,9 +195,9 @@ def validate(c: ml_collections.ConfigDict):
   _require(c.loss.hidden_weight >= 0,
            f"loss.hidden_weight must be >= 0, got {c.loss.hidden_weight}")
   _require(not c.loss.hidden_weight or (c.cache.hidden_states and c.loss.objective != "online"),
-           f"loss.hidden_weight = {c.loss.hidden_weight} matches the teacher's cached hidden "
-           f"states: set cache.hidden_states=True (and a cached objective, not 'online'), or "
-           f"loss.hidden_weight=0")
+           f"loss.hidden_weight = {c.loss.hidden_weight} trains the student against the "
+           f"teacher's cached hidden states: set cache.hidden_states=True (and a cached "
+           f"objective, not 'online'), or loss.hidden_weight=0")
   _require(c.loss.chunk_size >= 0,
            f"loss.chunk_size must be >= 0 (0: sized by the kernel), got {c.loss.chunk_size}")
   _require(c.loss.dw_dtype in DTYPES,
