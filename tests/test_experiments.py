@@ -75,6 +75,15 @@ def test_pipeline_bench_smoke(tmp_path):
   assert result["eval"]["student"]["positions"] > 0
 
 
+def test_moe_matmul_bench_small(tmp_path):
+  """The grouped-matmul benchmark on one small shape: a JSON line with both timings."""
+  out = tmp_path / "mm.jsonl"
+  proc = run(["experiments/moe_matmul_bench.py", "--small", "--tokens", "64", "--out", str(out)])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  line = json.loads(out.read_text())
+  assert line["grouped_ms"] > 0 and line["dense_ms"] > 0 and line["routed_gflop"] > 0
+
+
 @pytest.mark.slow  # about 100 s: eight tiny students
 def test_fidelity_smoke(tmp_path):
   """The fidelity study end to end on the demo's smoke shapes, one k and one seed: every
