@@ -243,7 +243,7 @@ def run_teacher(args) -> dict:
           "tokens_per_s": args.rows * seq_len / seconds, "device_tokens_per_s": device_tok_s,
           "plan_gib": plan,
           "model_tflops": device_tok_s * llama.flops_per_token(
-              model_cfg, attention.mean_context(data.read(slice(0, args.rows))["segment_ids"]))
+              model_cfg, attention.mean_context(segment_ids))
           / 3 / 1e12,  # forward only: a third of the training FLOPs
           "layout": c.cache.layout, "peak_gib": peak_gib()}
 

@@ -23,8 +23,8 @@ and `hidden_bytes_per_position` its hidden states (`teacher_ce`: the teacher's o
 JSON line per run is appended to --results; a run whose line is already there (same objective,
 k, seed, temperature, ce_weight, hidden_weight, hidden_dim and teacher) is not run again, so a
 stopped study resumes where it stopped. `--table` prints a teacher's results as BENCHMARKS.md
-shows them (and redraws the plot). The plot beside it (.png, _VARIANT.png): full KL and CE against k, one line per
-objective (mean, seed range as error bars), online as a band.
+shows them (and redraws the plot). The plot beside it (.png, _VARIANT.png): full KL and CE
+against k, one line per objective (mean, seed range as error bars), online as a band.
 
 On one GPU the tiny students leave it mostly idle: `--prepare-only` once, then N processes with
 `--shard I/N` share the runs (experiments/README.md has the command).
@@ -83,11 +83,20 @@ def bytes_per_position(cache_dir: str, arrays=("topk_ids", "topk_logprobs")) -> 
   return total / (store.num_seqs * store.seq_len)
 
 
-def distil(prep, args, teacher, caches, *, objective, k, seed, temperature=1.0,
+def identity(args, *, objective, k, seed, temperature=1.0, ce_weight=0.0, hidden_dim=0) -> dict:
+  """What names a run in its JSON line (KEY): the study's arms as the fields they set."""
+  return {"objective": objective, "k": k if objective != "online" else None, "seed": seed,
+          "temperature": temperature, "ce_weight": ce_weight,
+          "hidden_weight": HIDDEN_WEIGHT if hidden_dim else 0.0, "hidden_dim": hidden_dim,
+          "teacher": teacher_name(args)}
+
+
+def distil(prep, args, teacher, caches, eval_store, *, objective, k, seed, temperature=1.0,
            ce_weight=0.0, hidden_dim=0) -> dict:
-  """One student distilled and measured online; its JSON line. hidden_dim > 0: with the
-  hidden-state term (HIDDEN_WEIGHT) against caches[k, hidden_dim]."""
-  hidden_weight = HIDDEN_WEIGHT if hidden_dim else 0.0
+  """One student distilled and measured online on eval_store; its JSON line. hidden_dim > 0:
+  with the hidden-state term (HIDDEN_WEIGHT) against caches[k, hidden_dim]."""
+  line = identity(args, objective=objective, k=k, seed=seed, temperature=temperature,
+                  ce_weight=ce_weight, hidden_dim=hidden_dim)
   name = (f"{objective}_k{k}_t{temperature:g}_ce{ce_weight:g}"
           + (f"_hidden{hidden_dim}" if hidden_dim else "") + f"_seed{seed}")
   configs = []
@@ -95,7 +104,7 @@ def distil(prep, args, teacher, caches, *, objective, k, seed, temperature=1.0,
   def edit(c):
     configs.append(c)
     c.loss.update(objective=objective, temperature=temperature, ce_weight=ce_weight,
-                  hidden_weight=hidden_weight)
+                  hidden_weight=line["hidden_weight"])
     if objective == "online":
       c.teacher.hf_path = teacher_checkpoint(prep, teacher, args.out)
     else:
@@ -106,13 +115,9 @@ def distil(prep, args, teacher, caches, *, objective, k, seed, temperature=1.0,
   c = configs[0]
   student = pipeline.finished_model(c, pipeline.Paths.from_config(c), "student", c.student,
                                     c.opt)
-  eval_store = cache.open(os.path.join(prep.workdir, "data", "eval.zarr"))
   online = evaluate.evaluate_online(student, teacher, eval_store,
                                     batch_size=prep.eval.batch_size, max_seqs=prep.eval.max_seqs)
-  return {"objective": objective, "k": k if objective != "online" else None, "seed": seed,
-          "temperature": temperature, "ce_weight": ce_weight, "hidden_weight": hidden_weight,
-          "hidden_dim": hidden_dim, "teacher": teacher_name(args),
-          **{m: online[m if m != "top1" else "top1_agreement"] for m in METRICS},
+  return {**line, **{m: online[m if m != "top1" else "top1_agreement"] for m in METRICS},
           "cached_kl": cached["kl"], "positions": online["positions"],
           "teacher_ce": args.teacher_ce,
           "bytes_per_position": (bytes_per_position(c.cache.path) if objective != "online"
@@ -166,8 +171,9 @@ def table(lines: list[dict]) -> str:
   for r in lines:
     arm = (r["objective"], r["k"] or 0, r["temperature"], r["ce_weight"], r.get("hidden_dim", 0))
     arms.setdefault(arm, []).append(r)
-  out = ["| objective | k | T | ce_weight | hidden | seeds | full KL | top-1 | CE | ECE | bytes/pos |",
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
+  columns = ("objective", "k", "T", "ce_weight", "hidden", "seeds", "full KL", "top-1", "CE",
+             "ECE", "bytes/pos")
+  out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
   for (objective, k, temperature, ce_weight, hidden_dim), runs in sorted(arms.items()):
     cells = []
     for m in METRICS:
@@ -226,19 +232,12 @@ def main():
   caches.update({(top, h): cache_for(prep, args.out, top, h) for h in hidden_dims})
   if args.prepare_only:
     return
+  eval_store = cache.open(os.path.join(prep.workdir, "data", "eval.zarr"))
   # The teacher's own held-out CE, the floor of the students' (recorded in every line).
   args.teacher_ce = evaluate.evaluate_online(
-      teacher, teacher, cache.open(os.path.join(prep.workdir, "data", "eval.zarr")),
-      batch_size=prep.eval.batch_size, max_seqs=prep.eval.max_seqs)["ce"]
-
-  def key_of(spec):
-    hidden_dim = spec.get("hidden_dim", 0)
-    return run_key({"objective": spec["objective"], "k": spec["k"]
-                    if spec["objective"] != "online" else None, "seed": spec["seed"],
-                    "temperature": spec.get("temperature", 1.0),
-                    "ce_weight": spec.get("ce_weight", 0.0), "hidden_dim": hidden_dim,
-                    "hidden_weight": HIDDEN_WEIGHT if hidden_dim else 0.0,
-                    "teacher": teacher_name(args)})
+      teacher, teacher, eval_store, batch_size=prep.eval.batch_size,
+      max_seqs=prep.eval.max_seqs)["ce"]
+  key_of = lambda spec: run_key(identity(args, **spec))
 
   def run_all(specs):
     """This shard's runs of `specs` not yet recorded; then every spec's line (waiting for the
@@ -246,7 +245,7 @@ def main():
     done = read_results(args.results)
     for i, spec in enumerate(specs):
       if i % shards == shard and key_of(spec) not in done:
-        line = distil(prep, args, teacher, caches, **spec)
+        line = distil(prep, args, teacher, caches, eval_store, **spec)
         with open(args.results, "a") as f:
           f.write(json.dumps(line) + "\n")
         print(" ".join(f"{key} {line[key]}" for key in KEY[:-1])
