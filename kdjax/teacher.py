@@ -163,16 +163,16 @@ def _write_regions(store, data_store, todo, model, projection_DxH, *, k, batch_s
       outputs = [step(*(_pad_rows(rows[name][lo:lo + batch_size], batch_size)
                         for name in ("tokens", "positions", "segment_ids")), max_documents=bound)
                  for lo in range(0, stop - start, batch_size)]  # dispatched, not awaited
-      parts = {"topk_ids": [], "topk_logprobs": [], "hidden": []}
+      # The step's outputs in order; its hidden states (None unless cached) only when stored.
+      parts = {name: [] for name in ("topk_ids", "topk_logprobs", "hidden")
+               if name in store.dtypes}
       for lo, batch_outputs in zip(range(0, stop - start, batch_size), outputs):
         for part, x in zip(parts.values(), batch_outputs):
-          part.append(x if x is None else np.asarray(x))
+          part.append(np.asarray(x))
         bar.update((min(lo + batch_size, stop - start) - lo) * store.seq_len)
         failpoints.hit("batch")
       out = {name: rows[name] for name in _TOKEN_ARRAYS}
-      for name, part in parts.items():
-        if name in store.dtypes:
-          out[name] = np.concatenate(part)[:stop - start]
+      out.update({name: np.concatenate(part)[:stop - start] for name, part in parts.items()})
       if pending is not None:
         pending.result()
       pending = writer.submit(store.write, start, out)
