@@ -1,20 +1,23 @@
-"""The experts' grouped matmul as kdjax runs it (`jax.lax.ragged_dot`), against one dense matmul of
-the same routed FLOPs, at gpt-oss's expert shapes.
+"""The experts' grouped matmuls at gpt-oss's shapes: kdjax's kernels (kdjax/kernels/grouped.py)
+against XLA's `jax.lax.ragged_dot` and one dense matmul of the same routed FLOPs.
 
     python experiments/moe_matmul_bench.py                      # 20b and 120b shapes, 8K tokens
-    python experiments/moe_matmul_bench.py --tokens 256 --small # a check on CPU in seconds
+    python experiments/moe_matmul_bench.py --tokens 256 --small # a check on CPU (interpreter)
 
 For each shape: N tokens routed to U of X experts (Y = N U assignments, random routing, so groups
-of unequal size), [Y, D] x [X, D, F] -> [Y, F] in bf16 with float32 accumulation. Reported: the
-median time of the grouped matmul and of a dense [Y, D] x [D, F] matmul (the FLOPs it must do),
-their TFLOP/s, and the FLOPs XLA's cost analysis counts for the grouped one: a compiler that
-expands ragged_dot into zero-padded dense matmuls counts (and does) X times the routed FLOPs.
-One JSON line per shape to --out (default experiments/results/moe_matmul.jsonl).
+of unequal size), [Y, D] x [X, D, F] -> [Y, F] in bf16 with float32 accumulation. Reported
+(medians): XLA's ragged_dot; the kernel on kdjax's padded layout with [X, D, F] weights and with
+[X, F, D] (read transposed: how MXFP4 experts are stored); the kernel's backward (both gradients,
+2x the forward's FLOPs); a dense [Y, D] x [D, F] matmul (the FLOPs it must do); TFLOP/s of the
+routed FLOPs for each, the FLOPs XLA counts for ragged_dot, and the kernel's largest error
+against ragged_dot relative to the output's largest value. One JSON line per shape to --out
+(default experiments/results/moe_matmul.jsonl).
 
-Shape letters: N tokens, U experts per token, X experts, Y = N U assignments, D width, F expert
-width.
+Shape letters: N tokens, U experts per token, X experts, Y = N U assignments, P padded rows, D
+width, F expert width.
 """
 import argparse
+import functools
 import json
 import os
 import sys
@@ -24,13 +27,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e_bench  # noqa: E402
+from kdjax.kernels import grouped  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moe_matmul.jsonl")
-# name -> (X experts, U per token, D, F): gpt-oss's gate/up projection (F = 2 x 2880 interleaved)
-SHAPES = {"gpt-oss-20b": (32, 4, 2880, 5760), "gpt-oss-120b": (128, 4, 2880, 5760)}
-SMALL = {"small": (8, 2, 128, 256)}
+# name -> (X experts, U per token, D, F): gate/up (F = 2 x 2880, interleaved) and down projections
+SHAPES = {"gpt-oss-20b": (32, 4, 2880, 5760), "gpt-oss-20b-down": (32, 4, 2880, 2880),
+          "gpt-oss-120b": (128, 4, 2880, 5760)}
+SMALL = {"small": (8, 2, 128, 192)}
 
 
 def median_seconds(fn, *args, repeats=5) -> float:
@@ -48,27 +54,50 @@ def bench(name, experts, per_token, dim, width, tokens, seed=0) -> dict:
   assignments = tokens * per_token
   # Random routing: each token's U distinct experts; group sizes as the MoE layer makes them.
   experts_NxU = np.argsort(rng.random((tokens, experts)), axis=-1)[:, :per_token]
-  group_sizes_X = np.bincount(experts_NxU.reshape(-1), minlength=experts).astype(np.int32)
+  group_sizes_X = jnp.asarray(np.bincount(experts_NxU.reshape(-1), minlength=experts), jnp.int32)
   key = jax.random.key(seed)
   lhs_YxD = jax.random.normal(key, (assignments, dim), jnp.bfloat16)
   rhs_XxDxF = jax.random.normal(key, (experts, dim, width), jnp.bfloat16) * dim ** -0.5
+  rhs_XxFxD = rhs_XxDxF.transpose(0, 2, 1)
   rhs_DxF = rhs_XxDxF[0]
-  grouped = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g,
-                                                       preferred_element_type=jnp.float32))
+  groups = grouped.layout(group_sizes_X, assignments, grouped.tiles().bm)
+  rows = grouped.padded_rows(assignments, experts, groups.bm)
+  lhs_PxD = jnp.zeros((rows, dim), jnp.bfloat16).at[groups.row_Y].set(lhs_YxD)
+
+  ragged = jax.jit(lambda a, b, g: jax.lax.ragged_dot(a, b, g,
+                                                      preferred_element_type=jnp.float32))
+  kernel = jax.jit(lambda a, b: grouped.grouped_matmul(a, b, groups))
+  kernel_t = jax.jit(lambda a, b: grouped.grouped_matmul(a, b, groups, transpose_rhs=True))
+  _, kernel_vjp = jax.vjp(functools.partial(grouped.grouped_matmul, groups=groups), lhs_PxD,
+                          rhs_XxDxF)
+  d_out_PxF = kernel(lhs_PxD, rhs_XxDxF)
+  backward = jax.jit(kernel_vjp)
   dense = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-  group_sizes_X = jnp.asarray(group_sizes_X)
-  cost = grouped.lower(lhs_YxD, rhs_XxDxF, group_sizes_X).compile().cost_analysis()
+
+  cost = ragged.lower(lhs_YxD, rhs_XxDxF, group_sizes_X).compile().cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
+  want = ragged(lhs_YxD, rhs_XxDxF, group_sizes_X)
+  got = kernel(lhs_PxD, rhs_XxDxF)[groups.row_Y].astype(jnp.float32)
+  got_t = kernel_t(lhs_PxD, rhs_XxFxD)[groups.row_Y].astype(jnp.float32)
+  scale = float(jnp.abs(want).max())
   routed = 2.0 * assignments * dim * width
-  grouped_s = median_seconds(grouped, lhs_YxD, rhs_XxDxF, group_sizes_X)
-  dense_s = median_seconds(dense, lhs_YxD, rhs_DxF)
+  times = {"ragged_dot_ms": median_seconds(ragged, lhs_YxD, rhs_XxDxF, group_sizes_X),
+           "kernel_ms": median_seconds(kernel, lhs_PxD, rhs_XxDxF),
+           "kernel_transposed_ms": median_seconds(kernel_t, lhs_PxD, rhs_XxFxD),
+           "kernel_backward_ms": median_seconds(backward, d_out_PxF),
+           "dense_ms": median_seconds(dense, lhs_YxD, rhs_DxF)}
+  tflops = {k.replace("_ms", "_tflops"): routed * (2 if "backward" in k else 1) / v / 1e12
+            for k, v in times.items()}
   return {"name": name, "experts": experts, "per_token": per_token, "d": dim, "f": width,
-          "tokens": tokens, "routed_gflop": routed / 1e9,
+          "tokens": tokens, "padded_rows": rows, "routed_gflop": routed / 1e9,
           "xla_counted_gflop": float(cost.get("flops", 0.0)) / 1e9,
-          "grouped_ms": grouped_s * 1e3, "dense_ms": dense_s * 1e3,
-          "grouped_tflops": routed / grouped_s / 1e12, "dense_tflops": routed / dense_s / 1e12,
-          "grouped_over_dense": grouped_s / dense_s, "device": jax.devices()[0].device_kind,
-          "commit": e2e_bench.commit(), "date": e2e_bench.today()}
+          **{k: v * 1e3 for k, v in times.items()}, **tflops,
+          "kernel_over_dense": times["kernel_ms"] / times["dense_ms"],
+          "kernel_max_rel_error": float(jnp.abs(got - want).max()) / scale,
+          "kernel_transposed_max_rel_error": float(jnp.abs(got_t - want).max()) / scale,
+          "kernels": grouped.applies(lhs_PxD, rhs_XxDxF, groups.bm) and jax.default_backend() == "gpu",
+          "device": jax.devices()[0].device_kind, "commit": e2e_bench.commit(),
+          "date": e2e_bench.today()}
 
 
 def main():

@@ -4,9 +4,10 @@ Shape letters as in llama.py, and: X experts, U experts per token (the router's 
 (positions flattened over the batch), Y = N * U token-expert assignments; for packed (MXFP4)
 experts, O rows of a stored matrix and Z blocks of 32 values along its contraction.
 
-The experts run as grouped matmuls (`jax.lax.ragged_dot`) over the assignments sorted by expert,
-each expert's rows one contiguous group: no loop over experts, no [N, X] dispatch mask, and the
-FLOPs are those of the routed experts only.
+The experts run as grouped matmuls (kdjax/kernels/grouped.py: Mosaic GPU kernels on a GPU,
+`jax.lax.ragged_dot` elsewhere) over the assignments sorted by expert, each expert's rows one
+contiguous group starting a row tile: no loop over experts, no [N, X] dispatch mask, and the FLOPs
+are those of the routed experts (plus partly filled row tiles).
 
 Routing: router logits [N, X] (+ bias), the U largest; weights softmax over those U logits
 (`route_renormalize`: gpt-oss, Qwen3-MoE with norm_topk_prob) or the full softmax's values there.
@@ -17,7 +18,8 @@ Expert weights are float ([X, D, F] gate and up, [X, F, D] down) or MXFP4 as gpt
 (`expert_weights="mxfp4"`): uint8 blocks and scales (kdjax/models/mxfp4.py), gate and up rows
 interleaved in one [X, 2F, ...] matrix, each matrix [X, out, in]. Packed weights stay packed in
 the model and are dequantised one layer at a time inside its forward pass, so a model never holds
-float experts for more than the layer it runs.
+float experts for more than the layer it runs; the kernels read the dequantised [X, out, in]
+matrices transposed, so they are not copied again (gate and up: one matmul, columns interleaved).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kdjax.kernels import grouped
 from kdjax.models import mxfp4
 
 EXPERT_WEIGHTS = ("float", "mxfp4")
@@ -135,36 +138,53 @@ class MoE(nnx.Module):
   def __call__(self, y_BxTxD: jax.Array) -> jax.Array:
     cfg = self.cfg
     dt = y_BxTxD.dtype
-    b, t, d = y_BxTxD.shape
-    y_NxD = y_BxTxD.reshape(b * t, d)
+    b, t_len, d = y_BxTxD.shape
+    y_NxD = y_BxTxD.reshape(b * t_len, d)
     logits_NxX = jnp.einsum("nd,dx->nx", y_NxD, self.router_DxX[...].astype(dt),
                             preferred_element_type=jnp.float32)
     if cfg.expert_bias:
       logits_NxX = logits_NxX + self.router_bias_X[...].astype(jnp.float32)[None]
     weights_NxU, experts_NxU = route(logits_NxX, cfg.experts_per_token, cfg.route_renormalize)
 
-    # Assignments sorted by expert: expert i's rows are group i of the grouped matmuls.
-    expert_Y = experts_NxU.reshape(-1)
-    order_Y = jnp.argsort(expert_Y, stable=True)
-    sorted_expert_Y = expert_Y[order_Y]
-    group_sizes_X = jnp.bincount(expert_Y, length=cfg.n_experts).astype(jnp.int32)
-    y_YxD = y_NxD[order_Y // cfg.experts_per_token]
-    w_gate_XxDxF, w_up_XxDxF, w_down_XxFxD = self.expert_weights(dt)
-    matmul = functools.partial(jax.lax.ragged_dot, group_sizes=group_sizes_X,
-                               preferred_element_type=jnp.float32)
-    gate_YxF, up_YxF = matmul(y_YxD, w_gate_XxDxF), matmul(y_YxD, w_up_XxDxF)
-    if cfg.expert_bias:
-      gate_YxF = gate_YxF + self.b_gate_XxF[...].astype(jnp.float32)[sorted_expert_Y]
-      up_YxF = up_YxF + self.b_up_XxF[...].astype(jnp.float32)[sorted_expert_Y]
-    h_YxF = swiglu(gate_YxF, up_YxF, cfg.swiglu_limit, cfg.swiglu_alpha).astype(dt)
-    out_YxD = matmul(h_YxF, w_down_XxFxD)
-    if cfg.expert_bias:
-      out_YxD = out_YxD + self.b_down_XxD[...].astype(jnp.float32)[sorted_expert_Y]
+    # Assignments sorted by expert, laid out so each expert's rows start a row tile of the
+    # grouped matmuls (kdjax/kernels/grouped.py); padding rows are zero and discarded.
+    t = grouped.tiles()
+    expert_A = experts_NxU.reshape(-1)  # assignment a = token a // U, its (a % U)-th expert
+    assignments = expert_A.shape[0]
+    order_Y = jnp.argsort(expert_A, stable=True)
+    group_sizes_X = jnp.bincount(expert_A, length=cfg.n_experts).astype(jnp.int32)
+    groups = grouped.layout(group_sizes_X, assignments, t.bm)
+    rows = grouped.padded_rows(assignments, cfg.n_experts, t.bm)
+    row_A = jnp.zeros((assignments,), jnp.int32).at[order_Y].set(groups.row_Y)
+    token_P = jnp.full((rows,), b * t_len, jnp.int32).at[row_A].set(
+        jnp.arange(assignments, dtype=jnp.int32) // cfg.experts_per_token)
+    y_PxD = jnp.take(y_NxD, token_P, axis=0, mode="fill", fill_value=0)  # no token: zeros
+    expert_P = jnp.repeat(jnp.maximum(groups.tile_expert_M, 0), t.bm)
+    matmul = functools.partial(grouped.grouped_matmul, groups=groups)
 
-    # Back to token order (a gather by the inverse permutation), then the weighted sum over U.
-    assignments = order_Y.shape[0]
-    inverse_Y = jnp.zeros((assignments,), jnp.int32).at[order_Y].set(
-        jnp.arange(assignments, dtype=jnp.int32))
-    out_NxUxD = out_YxD[inverse_Y].reshape(b * t, cfg.experts_per_token, d)
+    if cfg.expert_weights == "mxfp4":  # stored [X, out, in]: the kernels read them transposed
+      gate_up_XxOxD = mxfp4.dequantize(self.gate_up_blocks_XxOxZx16[...],
+                                       self.gate_up_scales_XxOxZ[...], dt)
+      gate_up_PxO = matmul(y_PxD, gate_up_XxOxD, transpose_rhs=True)
+      gate_PxF, up_PxF = gate_up_PxO[:, 0::2], gate_up_PxO[:, 1::2]  # rows interleaved
+    else:
+      gate_PxF = matmul(y_PxD, self.w_gate_XxDxF[...].astype(dt))
+      up_PxF = matmul(y_PxD, self.w_up_XxDxF[...].astype(dt))
+    gate_PxF, up_PxF = gate_PxF.astype(jnp.float32), up_PxF.astype(jnp.float32)
+    if cfg.expert_bias:
+      gate_PxF = gate_PxF + self.b_gate_XxF[...].astype(jnp.float32)[expert_P]
+      up_PxF = up_PxF + self.b_up_XxF[...].astype(jnp.float32)[expert_P]
+    h_PxF = swiglu(gate_PxF, up_PxF, cfg.swiglu_limit, cfg.swiglu_alpha).astype(dt)
+    if cfg.expert_weights == "mxfp4":
+      down_XxDxF = mxfp4.dequantize(self.down_blocks_XxOxZx16[...], self.down_scales_XxOxZ[...],
+                                    dt)
+      out_PxD = matmul(h_PxF, down_XxDxF, transpose_rhs=True).astype(jnp.float32)
+    else:
+      out_PxD = matmul(h_PxF, self.w_down_XxFxD[...].astype(dt)).astype(jnp.float32)
+    if cfg.expert_bias:
+      out_PxD = out_PxD + self.b_down_XxD[...].astype(jnp.float32)[expert_P]
+
+    # Back to token order, then the weighted sum over each token's U experts.
+    out_NxUxD = out_PxD[row_A].reshape(b * t_len, cfg.experts_per_token, d)
     out_NxD = jnp.einsum("nud,nu->nd", out_NxUxD, weights_NxU)
-    return out_NxD.reshape(b, t, d).astype(dt)
+    return out_NxD.reshape(b, t_len, d).astype(dt)
