@@ -74,7 +74,7 @@ SWEEP = {
     "teacher-gpt-oss-120b-8k": "teacher --config configs/gpt_oss.py --seq-len 8192 --docs 4 "
                                "--rows 16 --mem-fraction 0.9",
     "gpt-oss-32k": "student --config configs/gpt_oss.py --docs 8 --steps 2 --memory "
-                   "--mem-fraction 0.9",
+                   "--mem-fraction 0.95",
 }
 
 
