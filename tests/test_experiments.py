@@ -76,12 +76,16 @@ def test_pipeline_bench_smoke(tmp_path):
 
 
 def test_moe_matmul_bench_small(tmp_path):
-  """The grouped-matmul benchmark on one small shape: a JSON line with both timings."""
+  """The grouped-matmul benchmark on one small shape: a JSON line with every timing, the
+  kernels' results (here the reference's: no GPU) equal to ragged_dot's."""
   out = tmp_path / "mm.jsonl"
   proc = run(["experiments/moe_matmul_bench.py", "--small", "--tokens", "64", "--out", str(out)])
   assert proc.returncode == 0, proc.stderr[-3000:]
   line = json.loads(out.read_text())
-  assert line["grouped_ms"] > 0 and line["dense_ms"] > 0 and line["routed_gflop"] > 0
+  for name in ("ragged_dot", "kernel", "kernel_transposed", "kernel_backward", "dense"):
+    assert line[f"{name}_ms"] > 0
+  assert line["routed_gflop"] > 0 and line["kernels"] is False
+  assert line["kernel_max_rel_error"] < 1e-2 and line["kernel_transposed_max_rel_error"] < 1e-2
 
 
 @pytest.mark.slow  # about 100 s: eight tiny students
