@@ -48,6 +48,21 @@ REWRITING = """{%- for message in messages %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
 """
 
+# The harmony format of gpt-oss (o200k_harmony), written for this test: a system header, then
+# each turn as <|start|>role<|message|>...<|end|>; assistant answers on the final channel, the last
+# one (training) closed by <|return|>, earlier ones by <|end|>: a rewriting template.
+HARMONY = """{{- '<|start|>system<|message|>Reasoning: medium<|end|>' }}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}
+{{- '<|start|>assistant<|channel|>final<|message|>' + message.content }}
+{{- '<|return|>' if loop.last and not add_generation_prompt else '<|end|>' }}
+{%- else %}
+{{- '<|start|>' + message.role + '<|message|>' + message.content + '<|end|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}
+"""
+
 # The Llama-3 template with transformers' {% generation %} markers around assistant output.
 LLAMA3_GENERATION = (
     "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
@@ -115,6 +130,22 @@ def test_rewriting_template_fails_loudly():
     renderer(REWRITING).render(CONVERSATION[1:])
   text, spans = renderer(REWRITING, assistant_only=False).render(CONVERSATION[1:])
   assert "<think>" in text and spans is None
+
+
+def test_harmony_format():
+  """gpt-oss's harmony: one answer (prompt/response data) is located by prefix rendering, the
+  span its channel header, text and <|return|>; several answers (each but the last rewritten
+  with <|end|>) fail loudly for loss_mask='assistant' and render whole for 'all'."""
+  single = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4."}]
+  text, spans = renderer(HARMONY).render(single)
+  assert text == ("<|start|>system<|message|>Reasoning: medium<|end|><|start|>user<|message|>2+2?"
+                  "<|end|><|start|>assistant<|channel|>final<|message|>4.<|return|>")
+  assert [text[a:b] for a, b in spans] == ["<|channel|>final<|message|>4.<|return|>"]
+  with pytest.raises(chat.ChatTemplateError, match="generation"):
+    renderer(HARMONY).render(CONVERSATION[1:])
+  text, spans = renderer(HARMONY, assistant_only=False).render(CONVERSATION[1:])
+  assert "final<|message|>Hello!<|end|>" in text and text.endswith("course.<|return|>")
+  assert spans is None
 
 
 def test_assistant_only_loss_mask_end_to_end(base_tokenizer, tmp_path):
