@@ -128,6 +128,12 @@ def base() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict()
   c.eval.batch_size = 8  # sequences per evaluation step
   c.eval.max_seqs = 0  # cap on held-out sequences (0 = all)
+
+  # Devices of training (kdjax/parallel.py): data x fsdp x tensor must be the device count.
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 1    # data-parallel groups (each a copy of the sharded state)
+  c.mesh.fsdp = 1    # devices sharing one copy of parameters, gradients and AdamW state
+  c.mesh.tensor = 1  # vocabulary-sharded lm_head: not yet supported, keep 1
   return c
 
 
@@ -210,6 +216,19 @@ def validate(c: ml_collections.ConfigDict):
            "stage 'pretrain' trains a teacher from scratch; drop it when teacher.hf_path is set")
   _check_opt("opt", c.opt)
   _check_opt("pretrain", c.pretrain)
+  for f in ("data", "fsdp", "tensor"):
+    _require(isinstance(c.mesh[f], int) and c.mesh[f] >= 1,
+             f"mesh.{f} must be an integer >= 1, got {c.mesh[f]!r}")
+  _require(c.mesh.tensor == 1, f"mesh.tensor = {c.mesh.tensor}: a vocabulary-sharded lm_head is "
+           "not supported yet; use mesh.data and mesh.fsdp (their product the device count)")
+  shards = c.mesh.data * c.mesh.fsdp
+  for name in ("opt", "pretrain"):
+    _require(c[name].batch_size % shards == 0,
+             f"{name}.batch_size = {c[name].batch_size} rows per micro-batch cannot be split over "
+             f"mesh.data x mesh.fsdp = {shards} devices: make it a multiple of {shards}")
+  _require(shards == 1 or (c.opt.state_memory == "device" and c.loss.objective != "online"),
+           f"a mesh of {shards} devices takes opt.state_memory='device' and an offline "
+           f"objective, got {c.opt.state_memory!r} and {c.loss.objective!r}")
 
 
 def unknown_override(c: ml_collections.ConfigDict, argv: list[str]) -> str | None:

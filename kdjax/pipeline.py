@@ -21,7 +21,8 @@ import jax
 import ml_collections
 from flax import nnx
 
-from kdjax import cache, checkpoints, checks, config, data, evaluate, plots, teacher, tokenizer, train
+from kdjax import (cache, checkpoints, checks, config, data, evaluate, parallel, plots, teacher,
+                   tokenizer, train)
 from kdjax.models import llama
 
 
@@ -111,7 +112,7 @@ def _fit(c, paths, name, group, opt, open_store, hard_labels, teacher=None):
   model, cfg = new_model(group, vocab, c.seed)
   model = train.fit(name=name, model=model, model_cfg=cfg, store=store,
                     workdir=paths.run(name), opt=opt, loss_cfg=c.loss, hard_labels=hard_labels,
-                    seed=c.seed, teacher=teacher)
+                    seed=c.seed, teacher=teacher, mesh=parallel.make_mesh(c.mesh))
   return model, cfg
 
 

@@ -29,8 +29,9 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh
 
-from kdjax import cache, kernels, tensorboard
+from kdjax import cache, kernels, parallel, tensorboard
 from kdjax.cache import durable
 from kdjax.kernels import full_kl, hidden, objectives
 from kdjax.checkpoints import Checkpoints
@@ -134,16 +135,23 @@ def _masked_means(terms: dict, mask_BxT) -> dict:
   return {k: jnp.sum(mask_BxT * v) / count for k, v in terms.items()}
 
 
-def loss_fn(trained_params, graphdef, batch, loss: LossSettings, max_documents: int):
+def loss_fn(trained_params, graphdef, batch, loss: LossSettings, max_documents: int,
+            mesh: Mesh | None = None):
   """The micro-batch's loss and metrics. trained_params: see `trained`. Objective "online" reads
-  the teacher's outputs from the batch (teacher_hidden, teacher_head: see grad_step)."""
+  the teacher's outputs from the batch (teacher_hidden, teacher_head: see grad_step). mesh: the
+  run's device mesh (kdjax/parallel.py), or None for one device."""
   model = nnx.merge(graphdef, trained_params["params"])
   inputs = (batch["tokens"], batch["positions"], batch["segment_ids"], max_documents)
   hidden_BxTxD = model(*inputs)
   # The loss matmuls run in the compute dtype (bf16 at scale) with f32 accumulation; an f32
   # lm_head would make all three run in f32. Its gradient flows back to the f32 parameters.
   lm_head_DxV = model.lm_head_DxV().astype(hidden_BxTxD.dtype)
-  value, metrics = _distillation_loss(hidden_BxTxD, lm_head_DxV, batch, loss)
+  if loss.objective == "online":
+    value, metrics = _distillation_loss(hidden_BxTxD, lm_head_DxV, batch, loss)
+  else:  # per device on its rows when the batch is split over several (the kernels' shard_map)
+    rows = {k: batch[k] for k in ("topk_ids", "topk_logprobs", "loss_mask", "labels")}
+    value, metrics = parallel.sharded_loss(
+        functools.partial(_distillation_loss, loss=loss), mesh, hidden_BxTxD, lm_head_DxV, rows)
   if loss.hidden_weight:
     nmse = hidden.hidden_nmse(hidden_BxTxD, batch["hidden"], batch["loss_mask"],
                               trained_params.get("hidden_proj"))
@@ -177,9 +185,11 @@ def _distillation_loss(hidden_BxTxD, lm_head_DxV, batch, loss: LossSettings):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "loss", "max_documents",
-                                             "teacher_graphdef"), donate_argnames="grads_sum")
+                                             "teacher_graphdef", "mesh"),
+                   donate_argnames="grads_sum")
 def grad_step(trained_params, grads_sum, batch_BxT, teacher_params=None, *, graphdef,
-              loss: LossSettings, max_documents: int, teacher_graphdef=None):
+              loss: LossSettings, max_documents: int, teacher_graphdef=None,
+              mesh: Mesh | None = None):
   """One micro-batch: its gradients (of trained_params, see `trained`) added into the donated
   running sum, and its metrics.
   teacher_params / teacher_graphdef: the teacher run in the step (objective "online" only).
@@ -194,7 +204,8 @@ def grad_step(trained_params, grads_sum, batch_BxT, teacher_params=None, *, grap
     batch_BxT = {**batch_BxT, "teacher_hidden": hidden_BxTxD,
                  "teacher_head": teacher.lm_head_DxV().astype(hidden_BxTxD.dtype)}
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  (value, metrics), grads = grad_fn(trained_params, graphdef, batch_BxT, loss, max_documents)
+  (value, metrics), grads = grad_fn(trained_params, graphdef, batch_BxT, loss, max_documents,
+                                    mesh)
   # Each gradient is rounded once into the sum's dtype (opt.accum_dtype).
   grads_sum = jax.tree.map(lambda s, g: (s.astype(jnp.float32) + g).astype(s.dtype),
                            grads_sum, grads)
@@ -237,9 +248,9 @@ def init_state(params, tx, opt_cfg, hidden_proj=None):
 
 
 def train_step(state, grads_sum, batch_AxB: dict, *, graphdef, tx, loss: LossSettings,
-               state_memory: str, max_documents: int, teacher=None):
+               state_memory: str, max_documents: int, teacher=None, mesh: Mesh | None = None):
   """One optimizer step over A micro-batches: A grad_steps, then apply_step. teacher: (graphdef,
-  params) of the teacher run in the step (objective "online"), else None.
+  params) of the teacher run in the step (objective "online"), else None. mesh: see loss_fn.
 
   Returns (state, metrics, grads_sum) with every array still in flight (nothing waits).
   """
@@ -249,7 +260,8 @@ def train_step(state, grads_sum, batch_AxB: dict, *, graphdef, tx, loss: LossSet
     grads_sum, metrics = grad_step(trained(state), grads_sum, micro_BxT,
                                    None if teacher is None else teacher[1], graphdef=graphdef,
                                    loss=loss, max_documents=max_documents,
-                                   teacher_graphdef=None if teacher is None else teacher[0])
+                                   teacher_graphdef=None if teacher is None else teacher[0],
+                                   mesh=mesh)
     metrics_A.append(metrics)
   return apply_step(state, grads_sum, metrics_A, tx=tx, state_memory=state_memory)
 
@@ -328,10 +340,12 @@ def _hidden_projection(loss: LossSettings, model_cfg: llama.ModelConfig, store, 
 
 
 def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, workdir: str,
-        opt, loss_cfg, hard_labels: bool, seed: int, teacher: nnx.Module | None = None
-        ) -> nnx.Module:
+        opt, loss_cfg, hard_labels: bool, seed: int, teacher: nnx.Module | None = None,
+        mesh: Mesh | None = None) -> nnx.Module:
   """Trains `model` for opt.steps on `store`, resuming from workdir/ckpt; returns the trained model.
   teacher: run in every step with objective "online" (store: a data store), else None.
+  mesh: several devices (kdjax/parallel.py: rows split over data x fsdp, state sharded over
+  fsdp), or None for one.
 
   Returns at once when the final checkpoint exists (the stage is complete). A checkpoint is
   written only after its step's metrics and parameters are checked finite, and metrics.jsonl then
@@ -342,6 +356,13 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
   loss = LossSettings.from_config(loss_cfg, hard_labels)
   graphdef, params = nnx.split(model)
   state, grads_sum = init_state(params, tx, opt, _hidden_projection(loss, model_cfg, store, seed))
+  if mesh is not None and mesh.size > 1:
+    if opt.state_memory == "host" or loss.objective == "online":
+      raise ValueError("several devices (mesh) take opt.state_memory='device' and an offline "
+                       f"objective; got {opt.state_memory!r}, {loss.objective!r}.")
+    state, grads_sum = parallel.place_state(mesh, (state, grads_sum))
+  else:
+    mesh = None
   loader = cache.Loader(store, opt.batch_size * opt.accum_steps, seed=seed, shuffle=True,
                         prefetch=opt.loader_prefetch, workers=opt.loader_workers or None,
                         hidden=loss.hidden_weight > 0)
@@ -364,7 +385,7 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
                      "objective 'online', and only it, runs a teacher in the step")
   step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx, loss=loss,
                               teacher=None if teacher is None else nnx.split(teacher),
-                              state_memory=opt.state_memory)
+                              state_memory=opt.state_memory, mesh=mesh)
   max_documents = 1  # only grows (documents_bound), so the step compiles at most log2(T) times
   events = tensorboard.EventWriter(os.path.join(workdir, "tensorboard"))
   last_saved = start
@@ -420,6 +441,8 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
       max_documents = max(max_documents, attention.documents_bound(batch["segment_ids"]))
       clock["flops"] += tokens_per_step * llama.flops_per_token(
           model_cfg, attention.mean_context(batch["segment_ids"]))
+      if mesh is not None:
+        batch = parallel.place_batch(mesh, batch)
       state, metrics, grads_sum = step_fn(state, grads_sum, batch, max_documents=max_documents)
       loader_state = loader.state()
       # A logged step is read as soon as it is dispatched, so its time is its own (a step's

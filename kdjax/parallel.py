@@ -1,0 +1,91 @@
+"""The device mesh of a run (config group `mesh`) and where arrays live on it.
+
+Student training only, for now: data preparation, the teacher's cache and evaluation run on one
+device.
+
+    mesh = make_mesh(c.mesh)            # axes ("data", "fsdp", "tensor"), sizes from the config
+    state = place_state(mesh, state)    # parameters and optimizer state sharded over "fsdp"
+    batch = place_batch(mesh, batch)    # rows [A, B, ...] sharded over ("data", "fsdp")
+
+Student training is data-parallel over data x fsdp devices, each holding B / (data * fsdp) rows
+of a micro-batch, with fully sharded parameters, gradients and AdamW state (each array split
+along its first dimension that the fsdp size divides; XLA gathers a layer's parameters where it
+needs them). The model body is partitioned by XLA from these placements; the fused loss, whose
+kernels XLA cannot partition, runs per device under `shard_map` on its own rows (`sharded_loss`):
+each device's masked mean is turned into the global one with two psums.
+
+One device is the 1 x 1 x 1 mesh: the same arrays, placed on that device, and the loss outside
+shard_map. mesh.tensor (a vocabulary-sharded lm_head) must be 1 for now.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+
+def make_mesh(g, devices=None) -> Mesh:
+  """The mesh of config group g (data, fsdp, tensor) over the first data x fsdp x tensor of
+  `devices` (default: all of this run's)."""
+  devices = jax.devices() if devices is None else devices
+  shape = (g.data, g.fsdp, g.tensor)
+  size = int(np.prod(shape))
+  if size > len(devices):
+    raise ValueError(f"mesh data x fsdp x tensor = {' x '.join(map(str, shape))} = {size} "
+                     f"devices, but this run has {len(devices)}: set mesh.data and mesh.fsdp so "
+                     f"their product is at most {len(devices)}.")
+  return Mesh(np.asarray(devices[:size]).reshape(shape), AXES)
+
+
+def data_shards(mesh: Mesh) -> int:
+  return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def spec_of(shape: tuple, fsdp: int) -> P:
+  """Shards the first dimension that fsdp divides (the largest first, ties: the earliest)."""
+  if fsdp > 1:
+    for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
+      if shape[i] % fsdp == 0:
+        return P(*([None] * i + ["fsdp"]))
+  return P()
+
+
+def place_state(mesh: Mesh, tree):
+  """Every array of tree on the mesh, sharded over "fsdp" (spec_of), replicated elsewhere."""
+  return jax.tree.map(
+      lambda x: jax.device_put(x, NamedSharding(mesh, spec_of(np.shape(x), mesh.shape["fsdp"]))),
+      tree)
+
+
+def place_batch(mesh: Mesh, batch_AxB: dict) -> dict:
+  """A step's rows [A, B, ...] with B split over the batch axes; B must be a multiple of them."""
+  shards = data_shards(mesh)
+  for name, x in batch_AxB.items():
+    if x.shape[1] % shards:
+      raise ValueError(f"a micro-batch of {x.shape[1]} rows cannot be split over data x fsdp = "
+                       f"{shards} devices: set opt.batch_size to a multiple of {shards}.")
+  sharding = NamedSharding(mesh, P(None, BATCH_AXES))
+  return {name: jax.device_put(x, sharding) for name, x in batch_AxB.items()}
+
+
+def sharded_loss(loss_fn, mesh: Mesh | None, hidden_BxTxD, lm_head_DxV, batch: dict):
+  """loss_fn(hidden, lm_head, batch) -> (masked mean, {name: masked mean}) over the whole batch:
+  per device on its rows under shard_map when the batch axes span several devices (lm_head
+  gathered whole), each mean weighted by its device's count of batch["loss_mask"]."""
+  if mesh is None or data_shards(mesh) == 1:
+    return loss_fn(hidden_BxTxD, lm_head_DxV, batch)
+
+  def local(hidden_BxTxD, lm_head_DxV, batch):
+    value, metrics = loss_fn(hidden_BxTxD, lm_head_DxV, batch)
+    count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+    total = jnp.maximum(jax.lax.psum(count, BATCH_AXES), 1.0)
+    mean = lambda x: jax.lax.psum(x * count, BATCH_AXES) / total
+    return mean(value), {k: mean(v) for k, v in metrics.items()}
+
+  rows = P(BATCH_AXES)
+  return jax.shard_map(local, mesh=mesh, in_specs=(rows, P(), {k: rows for k in batch}),
+                       out_specs=(P(), P()), check_vma=False)(hidden_BxTxD, lm_head_DxV, batch)

@@ -1,0 +1,136 @@
+"""Student training over a device mesh (kdjax/parallel.py) on 8 CPU devices: every mesh shape
+gives one device's loss, metrics and gradients; a run on a 2 x 4 mesh, stopped and resumed from
+its sharded checkpoint, trains to one device's parameters; the mesh's checks.
+
+The 8 devices need XLA_FLAGS before jax starts, so the mesh runs go through a child process
+running this file (`python tests/test_parallel.py DIR` prints its results as JSON)."""
+import json
+import os
+import subprocess
+import sys
+
+if __name__ == "__main__":
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from kdjax import cache, config, parallel, train  # noqa: E402
+from kdjax.models import llama  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = llama.ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                        head_dim=8, d_ff=64)
+SHAPES = [(8, 1), (1, 8), (2, 4)]  # (data, fsdp)
+
+
+def mesh_of(data, fsdp):
+  return parallel.make_mesh(ml_collections.ConfigDict(dict(data=data, fsdp=fsdp, tensor=1)))
+
+
+def random_rows(rng, n, t=16, k=5):
+  return {"tokens": rng.integers(0, CFG.vocab_size, (n, t)).astype(np.int32),
+          "positions": np.tile(np.arange(t, dtype=np.int32), (n, 1)),
+          "segment_ids": np.ones((n, t), np.int32), "loss_mask": rng.random((n, t)) < 0.7,
+          "topk_ids": rng.integers(0, CFG.vocab_size, (n, t, k)).astype(np.int32),
+          "topk_logprobs": -np.sort(rng.exponential(2.0, (n, t, k)), -1).astype(np.float32)}
+
+
+def grad_step_differences() -> dict:
+  """Largest difference from one device's loss, metrics and gradients, per mesh shape."""
+  graphdef, params = nnx.split(llama.Transformer(CFG, rngs=nnx.Rngs(0)))
+  loss = train.LossSettings.from_config(config.base().loss, False)
+  batch_AxB = train.to_step_batch(random_rows(np.random.default_rng(0), 8), 1, False)
+
+  def run(mesh):
+    trained = {"params": params}
+    grads_sum = jax.tree.map(jnp.zeros_like, trained)
+    batch = batch_AxB
+    if mesh is not None:
+      trained, grads_sum = parallel.place_state(mesh, (trained, grads_sum))
+      batch = parallel.place_batch(mesh, batch_AxB)
+    grads, metrics = train.grad_step(trained, grads_sum, {k: v[0] for k, v in batch.items()},
+                                     graphdef=graphdef, loss=loss, max_documents=1, mesh=mesh)
+    return jax.device_get((grads, metrics))
+
+  want = run(None)
+  out = {}
+  for data, fsdp in SHAPES:
+    got = run(mesh_of(data, fsdp))
+    out[f"{data}x{fsdp}"] = {
+        "grads": max(float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
+                     for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0]))),
+        "metrics": max(abs(float(got[1][k]) - float(want[1][k])) for k in want[1])}
+  return out
+
+
+def fit_differences(workdir: str) -> dict:
+  """Parameters after 3 steps: one device against a 2 x 4 mesh stopped after step 2 and resumed
+  from its sharded checkpoint."""
+  rows = random_rows(np.random.default_rng(1), 24)
+  store = cache.create(os.path.join(workdir, "cache"), num_seqs=24, seq_len=16, k=5,
+                       vocab_size=CFG.vocab_size, attrs={"source": "test"})
+  store.write(0, rows)
+  store = cache.open(os.path.join(workdir, "cache"))
+
+  def fit(name, steps, mesh):
+    opt = config.opt_group(steps=steps, batch_size=8, accum_steps=2, warmup_steps=1,
+                           log_every=1, ckpt_every=1, lr=1e-2)
+    model = train.fit(name=name, model=llama.Transformer(CFG, rngs=nnx.Rngs(0)), model_cfg=CFG,
+                      store=store, workdir=os.path.join(workdir, name), opt=opt,
+                      loss_cfg=config.base().loss, hard_labels=False, seed=0, mesh=mesh)
+    return jax.device_get(jax.tree.leaves(nnx.state(model)))
+
+  want = fit("one", 3, None)
+  mesh = mesh_of(2, 4)
+  fit("mesh", 2, mesh)
+  got = fit("mesh", 3, mesh)
+  return {"params": max(float(np.abs(a - b).max()) for a, b in zip(got, want))}
+
+
+@pytest.mark.slow  # about 60 s: a child process on 8 CPU devices
+def test_mesh_shapes_match_one_device(tmp_path):
+  proc = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True,
+                        text=True, cwd=ROOT, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  for shape, diffs in out["grad_step"].items():
+    assert diffs["grads"] < 1e-4 and diffs["metrics"] < 1e-5, (shape, diffs)
+  assert out["fit"]["params"] < 1e-5, out["fit"]
+
+
+def test_mesh_checks():
+  c = config.base()
+  c.mesh.data, c.mesh.fsdp = 2, 2
+  c.opt.batch_size = 6
+  with pytest.raises(ValueError, match="opt.batch_size = 6 .* multiple of 4"):
+    config.validate(c)
+  c.opt.batch_size, c.pretrain.batch_size = 8, 8
+  config.validate(c)
+  c.mesh.tensor = 2
+  with pytest.raises(ValueError, match="vocabulary-sharded"):
+    config.validate(c)
+  c.mesh.tensor, c.opt.state_memory = 1, "host"
+  with pytest.raises(ValueError, match="state_memory='device'"):
+    config.validate(c)
+  with pytest.raises(ValueError, match="this run has 1"):
+    mesh_of(2, 1)
+  assert parallel.make_mesh(config.base().mesh).size == 1
+
+
+def test_fsdp_spec():
+  P = jax.sharding.PartitionSpec
+  assert parallel.spec_of((96, 32), 8) == P("fsdp")
+  assert parallel.spec_of((30, 64), 8) == P(None, "fsdp")  # the largest dimension it divides
+  assert parallel.spec_of((30, 7), 8) == P()  # none: replicated
+  assert parallel.spec_of((), 8) == P() and parallel.spec_of((96,), 1) == P()
+
+
+if __name__ == "__main__":
+  print(json.dumps({"grad_step": grad_step_differences(), "fit": fit_differences(sys.argv[1])}))
