@@ -77,7 +77,7 @@ def restore_finished(workdir: str, model_cfg: llama.ModelConfig, steps: int):
     step = ckpt.latest_step()
     if step is None or step < steps:
       return None
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     graphdef, abstract = nnx.split(nnx.eval_shape(
         lambda: llama.Transformer(model_cfg, rngs=nnx.Rngs(0))))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),

@@ -10,7 +10,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from kdjax import config, errors, pipeline
+from kdjax import config, errors, parallel, pipeline
 
 config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 flags.DEFINE_bool("debug", False, "Show the traceback of user errors too (or set KDJAX_DEBUG=1).")
@@ -34,7 +34,9 @@ def parse_flags(argv):
 def main(argv):
   del argv
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every checkpoint at INFO
-  logging.info("devices: %s", jax.devices())
+  parallel.initialize_distributed()  # a run of several processes (launch/multiprocess.sh)
+  logging.info("process %d of %d; devices: %s", jax.process_index(), jax.process_count(),
+               jax.devices())
   try:
     pipeline.run(flags.FLAGS.config)
   except KeyboardInterrupt:

@@ -1,7 +1,10 @@
 """The device mesh of a run (config group `mesh`) and where arrays live on it.
 
-Student training only, for now: data preparation, the teacher's cache and evaluation run on one
-device.
+Several processes (jax.distributed: launch/multiprocess.sh, launch/slurm.sh): the mesh spans
+every process's devices and training stages run on all of them, each process loading the same
+rows and placing its own share; the cache stage writes disjoint regions per process (rank =
+process, see `cache_rank`); the data stage runs on process 0 while the others wait; eval and
+export run in one process afterwards. The teacher runs on each process's first device.
 
     mesh = make_mesh(c.mesh)            # axes ("data", "fsdp", "tensor"), sizes from the config
     state = place_state(mesh, state)    # parameters and optimizer state sharded over "fsdp"
@@ -19,6 +22,8 @@ shard_map. mesh.tensor (a vocabulary-sharded lm_head) must be 1 for now.
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,10 +39,12 @@ def make_mesh(g, devices=None) -> Mesh:
   devices = jax.devices() if devices is None else devices
   shape = (g.data, g.fsdp, g.tensor)
   size = int(np.prod(shape))
-  if size > len(devices):
+  if size > len(devices) or (jax.process_count() > 1 and size != len(devices)):
+    most = "exactly" if jax.process_count() > 1 else "at most"
     raise ValueError(f"mesh data x fsdp x tensor = {' x '.join(map(str, shape))} = {size} "
-                     f"devices, but this run has {len(devices)}: set mesh.data and mesh.fsdp so "
-                     f"their product is at most {len(devices)}.")
+                     f"devices, but this run has {len(devices)} ({jax.process_count()} "
+                     f"processes): set mesh.data and mesh.fsdp so their product is {most} "
+                     f"{len(devices)}.")
   return Mesh(np.asarray(devices[:size]).reshape(shape), AXES)
 
 
@@ -54,22 +61,72 @@ def spec_of(shape: tuple, fsdp: int) -> P:
   return P()
 
 
+def _place(x, sharding):
+  """x (the same on every process) as a global array: each process fills its own devices."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return jax.device_put(x, sharding)
+  x = np.asarray(jax.device_get(x)) if isinstance(x, jax.Array) else np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
 def place_state(mesh: Mesh, tree):
   """Every array of tree on the mesh, sharded over "fsdp" (spec_of), replicated elsewhere."""
   return jax.tree.map(
-      lambda x: jax.device_put(x, NamedSharding(mesh, spec_of(np.shape(x), mesh.shape["fsdp"]))),
-      tree)
+      lambda x: _place(x, NamedSharding(mesh, spec_of(np.shape(x), mesh.shape["fsdp"]))), tree)
 
 
 def place_batch(mesh: Mesh, batch_AxB: dict) -> dict:
-  """A step's rows [A, B, ...] with B split over the batch axes; B must be a multiple of them."""
+  """A step's rows [A, B, ...] with B split over the batch axes; B must be a multiple of them.
+  Every process passes the same rows (its loader has the same seed and order)."""
   shards = data_shards(mesh)
   for name, x in batch_AxB.items():
     if x.shape[1] % shards:
       raise ValueError(f"a micro-batch of {x.shape[1]} rows cannot be split over data x fsdp = "
                        f"{shards} devices: set opt.batch_size to a multiple of {shards}.")
   sharding = NamedSharding(mesh, P(None, BATCH_AXES))
-  return {name: jax.device_put(x, sharding) for name, x in batch_AxB.items()}
+  return {name: _place(x, sharding) for name, x in batch_AxB.items()}
+
+
+def gather(tree):
+  """A tree of (possibly sharded, multi-process) arrays as host numpy arrays, on every process."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+  return multihost_utils.process_allgather(tree, tiled=True)
+
+
+MULTI_PROCESS_STAGES = ("data", "pretrain", "cache", "train", "baseline")
+
+
+def cache_rank(rank: int, world: int) -> tuple[int, int]:
+  """The cache writer's (rank, world): the config's, split further over this run's processes."""
+  return rank * jax.process_count() + jax.process_index(), world * jax.process_count()
+
+
+def barrier(name: str) -> None:
+  """Every process waits here for the others (nothing to do in a run of one)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+
+
+# A run of several processes (launch/multiprocess.sh, launch/slurm.sh) names its coordinator and
+# its process in these; SLURM's own variables are read by jax.distributed when they are unset.
+ENV_COORDINATOR, ENV_PROCESSES, ENV_PROCESS_ID = (
+    "KDJAX_COORDINATOR", "KDJAX_NUM_PROCESSES", "KDJAX_PROCESS_ID")
+
+
+def initialize_distributed() -> None:
+  """Joins a multi-process run (jax.distributed) when the environment describes one: our
+  variables above, or a SLURM job step of several tasks. Must run before any device is used."""
+  if os.environ.get(ENV_COORDINATOR):
+    processes = int(os.environ[ENV_PROCESSES])
+    if processes > 1 and jax.config.jax_platforms == "cpu":
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(os.environ[ENV_COORDINATOR], processes,
+                               int(os.environ[ENV_PROCESS_ID]))
+  elif int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+    jax.distributed.initialize()
 
 
 def sharded_loss(loss_fn, mesh: Mesh | None, hidden_BxTxD, lm_head_DxV, batch: dict):

@@ -149,8 +149,11 @@ def stage_cache(c, paths: Paths):
     teacher.write_cache(model, cache.open(paths.data(split)), paths.cache(split), k=c.cache.k,
                         batch_size=c.cache.batch_size, chunk_size=c.cache.chunk_size,
                         vocab_size=model.lm_head_DxV().shape[1], attrs=attrs,
-                        layout=c.cache.layout, rank=c.cache.rank, world=c.cache.world,
+                        layout=c.cache.layout,
+                        **dict(zip(("rank", "world"), parallel.cache_rank(c.cache.rank,
+                                                                          c.cache.world))),
                         hidden_dim=hidden_dim if split == "train" else 0)
+    parallel.barrier(f"cache {split}")  # every region written before anyone reads the split
 
 
 def student_tokenizer_hash(c, paths: Paths) -> str:
@@ -253,22 +256,31 @@ STAGES = {name: globals()[f"stage_{name}"] for name in config.STAGES}  # config 
 
 def run(c: ml_collections.ConfigDict):
   config.validate(c)
+  several = sorted(set(c.stages) - set(parallel.MULTI_PROCESS_STAGES))
+  if jax.process_count() > 1 and several:
+    raise ValueError(f"stages {several} run in one process: run them after this one without the "
+                     f"multi-process launcher (--config.stages=\"{tuple(several)}\").")
+  lead = jax.process_index() == 0
   paths = Paths.from_config(c)
   checks.check_inputs(c, paths.tokenizer)  # the run's tokenizer, as Paths decided
   os.makedirs(c.workdir, exist_ok=True)
-  with open(os.path.join(c.workdir, "config.json"), "w") as f:
-    f.write(c.to_json_best_effort(indent=2))
+  if lead:
+    with open(os.path.join(c.workdir, "config.json"), "w") as f:
+      f.write(c.to_json_best_effort(indent=2))
   for name in c.stages:
     logging.info("stage %s", name)
     start = time.perf_counter()
-    STAGES[name](c, paths)
-    record_stage(c.workdir, name, time.perf_counter() - start)
+    if lead or name != "data":  # the data stage: process 0 writes, the others wait
+      STAGES[name](c, paths)
+    parallel.barrier(f"stage {name}")
+    if lead:
+      record_stage(c.workdir, name, time.perf_counter() - start)
 
 
 def record_stage(workdir: str, name: str, seconds: float):
   """Logs a finished stage's wall time and the process's peak device memory so far, and appends
   both to <workdir>/stages.jsonl."""
-  stats = jax.devices()[0].memory_stats() or {}
+  stats = jax.local_devices()[0].memory_stats() or {}
   peak = stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
   logging.info("stage %s done in %.1f s%s", name, seconds,
                f", peak device memory {peak:.1f} GiB" if peak is not None else "")

@@ -283,7 +283,7 @@ def _duration(seconds: float) -> str:
 
 
 def _peak_memory_gib():
-  stats = jax.devices()[0].memory_stats() or {}
+  stats = jax.local_devices()[0].memory_stats() or {}
   return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
 
 
@@ -369,7 +369,9 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
   ckpt = Checkpoints(os.path.join(workdir, "ckpt"), model_cfg, keep=opt.keep_checkpoints)
   start = ckpt.latest_step() or 0
   metrics_path = os.path.join(workdir, "metrics.jsonl")
-  _keep_metrics_until(metrics_path, start)
+  lead = jax.process_index() == 0  # of several processes, one writes the logs and metrics
+  if lead:
+    _keep_metrics_until(metrics_path, start)
   if start:
     state, loader_state = _restore(ckpt, start, state, tx)
     loader.restore(loader_state)
@@ -387,7 +389,7 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
                               teacher=None if teacher is None else nnx.split(teacher),
                               state_memory=opt.state_memory, mesh=mesh)
   max_documents = 1  # only grows (documents_bound), so the step compiles at most log2(T) times
-  events = tensorboard.EventWriter(os.path.join(workdir, "tensorboard"))
+  events = tensorboard.EventWriter(os.path.join(workdir, "tensorboard")) if lead else None
   last_saved = start
   # Since the last report: host time waiting for batches, model FLOPs of the steps run.
   clock = {"time": time.perf_counter(), "step": start, "wait": 0.0, "flops": 0.0, "first": None}
@@ -410,13 +412,15 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
     eta = (now - first_t) / (step - first_step) * (opt.steps - step) if step > first_step else None
     mem, lr = _peak_memory_gib(), float(schedule(step - 1))
     wait = clock["wait"] / elapsed
+    clock.update(time=now, step=step, wait=0.0, flops=0.0)
+    if not lead:
+      return
     _log_line(name, step, opt.steps, m, lr, tok_s, mfu, mem, eta)
     line = {"step": step, **m, "lr": lr, "tokens_per_s": tok_s, "mfu": mfu, "peak_mem_gib": mem,
             "data_wait_frac": wait, "time": time.time()}
     with open(metrics_path, "a") as f:
       f.write(json.dumps(line) + "\n")
     events.scalars(step, {k: v for k, v in line.items() if k not in ("step", "time")})
-    clock.update(time=now, step=step, wait=0.0, flops=0.0)
 
   def save(step):
     nonlocal last_saved
@@ -465,5 +469,6 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
     signal.signal(signal.SIGTERM, previous_handler)
     loader.close()
     ckpt.close()
-    events.close()
+    if events is not None:
+      events.close()
   return nnx.merge(graphdef, state["params"])

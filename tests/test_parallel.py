@@ -1,6 +1,7 @@
 """Student training over a device mesh (kdjax/parallel.py) on 8 CPU devices: every mesh shape
 gives one device's loss, metrics and gradients; a run on a 2 x 4 mesh, stopped and resumed from
-its sharded checkpoint, trains to one device's parameters; the mesh's checks.
+its sharded checkpoint, trains to one device's parameters; two processes (jax.distributed on
+localhost) write the same cache as one and train to one device's parameters; the mesh's checks.
 
 The 8 devices need XLA_FLAGS before jax starts, so the mesh runs go through a child process
 running this file (`python tests/test_parallel.py DIR` prints its results as JSON)."""
@@ -10,7 +11,8 @@ import subprocess
 import sys
 
 if __name__ == "__main__":
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  if sys.argv[1] == "mesh":  # one process, 8 devices; else one of two processes, 1 device each
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
   os.environ["JAX_PLATFORMS"] = "cpu"
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -21,13 +23,13 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from kdjax import cache, config, parallel, train  # noqa: E402
+from kdjax import cache, config, parallel, teacher, train  # noqa: E402
 from kdjax.models import llama  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = llama.ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                         head_dim=8, d_ff=64)
-SHAPES = [(8, 1), (1, 8), (2, 4)]  # (data, fsdp)
+SHAPES = [(8, 1), (2, 4)]  # (data, fsdp)
 
 
 def mesh_of(data, fsdp):
@@ -70,39 +72,105 @@ def grad_step_differences() -> dict:
   return out
 
 
+def fit(workdir, name, steps, mesh):
+  """The parameters (host arrays) after `steps` steps on the cache in workdir."""
+  opt = config.opt_group(steps=steps, batch_size=8, accum_steps=2, warmup_steps=1,
+                         log_every=1, ckpt_every=1, lr=1e-2)
+  model = train.fit(name=name, model=llama.Transformer(CFG, rngs=nnx.Rngs(0)), model_cfg=CFG,
+                    store=cache.open(os.path.join(workdir, "cache")),
+                    workdir=os.path.join(workdir, name), opt=opt, loss_cfg=config.base().loss,
+                    hard_labels=False, seed=0, mesh=mesh)
+  return parallel.gather(jax.tree.leaves(nnx.state(model)))
+
+
+def write_cache(workdir: str, name: str) -> str:
+  """A top-5 cache of 10 rows (regions of 2) by a seeded tiny teacher; this process's regions
+  (rank = process) of workdir/name."""
+  data_path = os.path.join(workdir, "data")
+  if jax.process_index() == 0 and not os.path.exists(data_path):
+    rng = np.random.default_rng(2)
+    rows = random_rows(rng, 10, k=0)
+    del rows["topk_ids"], rows["topk_logprobs"]
+    cache.create(data_path, num_seqs=10, seq_len=16, k=0, vocab_size=CFG.vocab_size,
+                 attrs={"source": "test"}, region_rows=2).write(0, rows)
+  parallel.barrier("data")
+  rank, world = parallel.cache_rank(0, 1)
+  teacher.write_cache(llama.Transformer(CFG, rngs=nnx.Rngs(3)), cache.open(data_path),
+                      os.path.join(workdir, name), k=5, batch_size=2, chunk_size=8,
+                      vocab_size=CFG.vocab_size, attrs={"teacher_hash": "tiny"}, rank=rank,
+                      world=world)
+  parallel.barrier(name)
+  return os.path.join(workdir, name)
+
+
+def files_of(path) -> dict:
+  """{relative path: bytes} but the root metadata (it holds the creation time)."""
+  out = {}
+  for root, _, names in os.walk(path):
+    for name in names:
+      rel = os.path.relpath(os.path.join(root, name), path)
+      if rel != "zarr.json":
+        with open(os.path.join(root, name), "rb") as f:
+          out[rel] = f.read()
+  return out
+
+
 def fit_differences(workdir: str) -> dict:
-  """Parameters after 3 steps: one device against a 2 x 4 mesh stopped after step 2 and resumed
-  from its sharded checkpoint."""
-  rows = random_rows(np.random.default_rng(1), 24)
+  """Parameters after 3 steps: one device (saved to workdir/one.npz for the two-process run)
+  against a 2 x 4 mesh stopped after step 2 and resumed from its sharded checkpoint."""
   store = cache.create(os.path.join(workdir, "cache"), num_seqs=24, seq_len=16, k=5,
                        vocab_size=CFG.vocab_size, attrs={"source": "test"})
-  store.write(0, rows)
-  store = cache.open(os.path.join(workdir, "cache"))
-
-  def fit(name, steps, mesh):
-    opt = config.opt_group(steps=steps, batch_size=8, accum_steps=2, warmup_steps=1,
-                           log_every=1, ckpt_every=1, lr=1e-2)
-    model = train.fit(name=name, model=llama.Transformer(CFG, rngs=nnx.Rngs(0)), model_cfg=CFG,
-                      store=store, workdir=os.path.join(workdir, name), opt=opt,
-                      loss_cfg=config.base().loss, hard_labels=False, seed=0, mesh=mesh)
-    return jax.device_get(jax.tree.leaves(nnx.state(model)))
-
-  want = fit("one", 3, None)
+  store.write(0, random_rows(np.random.default_rng(1), 24))
+  want = fit(workdir, "one", 3, None)
+  np.savez(os.path.join(workdir, "one.npz"), *want)
   mesh = mesh_of(2, 4)
-  fit("mesh", 2, mesh)
-  got = fit("mesh", 3, mesh)
+  fit(workdir, "mesh", 2, mesh)
+  got = fit(workdir, "mesh", 3, mesh)
   return {"params": max(float(np.abs(a - b).max()) for a, b in zip(got, want))}
 
 
-@pytest.mark.slow  # about 60 s: a child process on 8 CPU devices
-def test_mesh_shapes_match_one_device(tmp_path):
-  proc = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True,
+def two_process_difference(workdir: str) -> dict:
+  """This process's part of a run of two (jax.distributed, one CPU device each, parameters
+  sharded over both): its parameters against the one-device run's."""
+  parallel.initialize_distributed()
+  same_cache = files_of(write_cache(workdir, "cache_two")) == files_of(
+      os.path.join(workdir, "cache_one"))
+  got = fit(workdir, "two", 3, mesh_of(1, 2))
+  with np.load(os.path.join(workdir, "one.npz")) as f:
+    want = [f[f"arr_{i}"] for i in range(len(f.files))]
+  return {"process": jax.process_index(), "processes": jax.process_count(),
+          "same_cache": same_cache,
+          "params": max(float(np.abs(a - b).max()) for a, b in zip(got, want))}
+
+
+@pytest.mark.slow  # about 90 s: a child process on 8 CPU devices, then two processes
+def test_mesh_shapes_and_processes_match_one_device(tmp_path):
+  proc = subprocess.run([sys.executable, __file__, "mesh", str(tmp_path)], capture_output=True,
                         text=True, cwd=ROOT, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   for shape, diffs in out["grad_step"].items():
     assert diffs["grads"] < 1e-4 and diffs["metrics"] < 1e-5, (shape, diffs)
   assert out["fit"]["params"] < 1e-5, out["fit"]
+
+  env = {**os.environ, parallel.ENV_COORDINATOR: f"localhost:{free_port()}",
+         parallel.ENV_PROCESSES: "2"}
+  procs = [subprocess.Popen([sys.executable, __file__, "process", str(tmp_path)], cwd=ROOT,
+                            env={**env, parallel.ENV_PROCESS_ID: str(i)}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+  outs = [p.communicate(timeout=900) for p in procs]
+  for p, (stdout, stderr) in zip(procs, outs):
+    assert p.returncode == 0, stderr[-3000:]
+    line = json.loads(stdout.strip().splitlines()[-1])
+    assert line["processes"] == 2 and line["same_cache"] and line["params"] < 1e-5, line
+  assert sorted(json.loads(o[0].strip().splitlines()[-1])["process"] for o in outs) == [0, 1]
+
+
+def free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
 
 
 def test_mesh_checks():
@@ -133,4 +201,8 @@ def test_fsdp_spec():
 
 
 if __name__ == "__main__":
-  print(json.dumps({"grad_step": grad_step_differences(), "fit": fit_differences(sys.argv[1])}))
+  if sys.argv[1] == "mesh":
+    write_cache(sys.argv[2], "cache_one")
+    print(json.dumps({"grad_step": grad_step_differences(), "fit": fit_differences(sys.argv[2])}))
+  else:
+    print(json.dumps(two_process_difference(sys.argv[2])))
