@@ -1,23 +1,27 @@
 """The device mesh of a run (config group `mesh`) and where arrays live on it.
 
-Several processes (jax.distributed: launch/multiprocess.sh, launch/slurm.sh): the mesh spans
-every process's devices and training stages run on all of them, each process loading the same
-rows and placing its own share; the cache stage writes disjoint regions per process (rank =
-process, see `cache_rank`); the data stage runs on process 0 while the others wait; eval and
-export run in one process afterwards. The teacher runs on each process's first device.
-
     mesh = make_mesh(c.mesh)            # axes ("data", "fsdp", "tensor"), sizes from the config
     state = place_state(mesh, state)    # parameters and optimizer state sharded over "fsdp"
     batch = place_batch(mesh, batch)    # rows [A, B, ...] sharded over ("data", "fsdp")
 
 Student training is data-parallel over data x fsdp devices, each holding B / (data * fsdp) rows
 of a micro-batch, with fully sharded parameters, gradients and AdamW state (each array split
-along its first dimension that the fsdp size divides; XLA gathers a layer's parameters where it
-needs them). The model body is partitioned by XLA from these placements; the fused loss, whose
-kernels XLA cannot partition, runs per device under `shard_map` on its own rows (`sharded_loss`):
-each device's masked mean is turned into the global one with two psums.
+along its largest dimension that the fsdp size divides; XLA gathers parameters where it needs
+them). The model body is partitioned by XLA from these placements; the fused loss, whose kernels
+XLA cannot partition, runs per device under `shard_map` on its own rows (`sharded_loss`): each
+device's masked mean is turned into the global one with two psums.
 
-One device is the 1 x 1 x 1 mesh: the same arrays, placed on that device, and the loss outside
+The teacher (cache stage) of a run whose mesh has several devices is sharded over each process's
+own devices (`local_mesh`: its weights split over them, a batch's rows too), so a teacher larger
+than one GPU fits in one host's.
+
+Several processes (jax.distributed: launch/multiprocess.sh, launch/slurm.sh): the mesh spans
+every process's devices and the training stages run on all of them, each process loading the
+same rows and placing its own share; the cache stage writes disjoint regions per process (rank =
+process, `cache_rank`); the data stage runs on process 0 while the others wait; eval and export
+run in one process afterwards.
+
+One device is the 1 x 1 x 1 mesh (the default): arrays on that device, the loss outside
 shard_map. mesh.tensor (a vocabulary-sharded lm_head) must be 1 for now.
 """
 from __future__ import annotations
@@ -85,6 +89,20 @@ def place_batch(mesh: Mesh, batch_AxB: dict) -> dict:
                        f"{shards} devices: set opt.batch_size to a multiple of {shards}.")
   sharding = NamedSharding(mesh, P(None, BATCH_AXES))
   return {name: _place(x, sharding) for name, x in batch_AxB.items()}
+
+
+def place_rows(mesh: Mesh, x_BxT):
+  """One array of rows [B, ...] on the mesh: B split over the batch axes where they divide it,
+  else whole on every device."""
+  spec = P(BATCH_AXES) if x_BxT.shape[0] % data_shards(mesh) == 0 else P()
+  return _place(x_BxT, NamedSharding(mesh, spec))
+
+
+def local_mesh() -> Mesh:
+  """This process's devices as one fsdp group (the teacher's mesh: its weights sharded over
+  them, each device running its share of a batch's rows)."""
+  devices = jax.local_devices()
+  return Mesh(np.asarray(devices).reshape(1, len(devices), 1), AXES)
 
 
 def gather(tree):

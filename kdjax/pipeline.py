@@ -145,6 +145,7 @@ def stage_cache(c, paths: Paths):
            "source": c.data.source}
   # Hidden states only where a loss reads them: the train split.
   hidden_dim = (c.cache.hidden_dim or model.cfg.d_model) if c.cache.hidden_states else 0
+  several = c.mesh.data * c.mesh.fsdp * c.mesh.tensor > 1  # the teacher sharded over them
   for split in ("train", "eval"):
     teacher.write_cache(model, cache.open(paths.data(split)), paths.cache(split), k=c.cache.k,
                         batch_size=c.cache.batch_size, chunk_size=c.cache.chunk_size,
@@ -152,7 +153,8 @@ def stage_cache(c, paths: Paths):
                         layout=c.cache.layout,
                         **dict(zip(("rank", "world"), parallel.cache_rank(c.cache.rank,
                                                                           c.cache.world))),
-                        hidden_dim=hidden_dim if split == "train" else 0)
+                        hidden_dim=hidden_dim if split == "train" else 0,
+                        mesh=parallel.local_mesh() if several else None)
     parallel.barrier(f"cache {split}")  # every region written before anyone reads the split
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from kdjax import cache
+from kdjax import cache, parallel
 from kdjax.cache import failpoints
 from kdjax.models import attention
 
@@ -89,7 +89,7 @@ def _teacher_step(graphdef, state, projection_DxH, tokens_BxT, positions_BxT, se
 
 
 def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, vocab_size, attrs,
-                layout="float32", rank=0, world=1, region_rows=None, hidden_dim=0):
+                layout="float32", rank=0, world=1, region_rows=None, hidden_dim=0, mesh=None):
   """Writes (or resumes) the teacher cache of `data_store` at `cache_path`; returns the store.
 
   Args:
@@ -107,6 +107,8 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
     region_rows: rows per region; default the data store's.
     hidden_dim: 0, or also cache the final hidden states: H = the teacher's width D whole, else a
       fixed random projection to H columns (its seed in the cache's attributes).
+    mesh: devices of this process to shard the teacher over (kdjax/parallel.py: weights over
+      fsdp, a batch's rows over the devices when they divide it), or None for one device.
   Raises:
     CacheError: bad k or vocabulary, another writer of this rank running, a store of another
       spec at cache_path, a full disk; the message says what to do.
@@ -138,14 +140,18 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
     failpoints.hit("locked")
     _write_regions(store, data_store, store.missing(rank, world), model, projection_DxH, k=k,
                    batch_size=batch_size, chunk_size=chunk_size, vocab_size=vocab_size,
-                   desc=f"teacher {rank}/{world}")
+                   desc=f"teacher {rank}/{world}", mesh=mesh)
   return store
 
 
 def _write_regions(store, data_store, todo, model, projection_DxH, *, k, batch_size, chunk_size,
-                   vocab_size, desc):
+                   vocab_size, desc, mesh):
   """Computes and writes the rows of `todo` [(start, stop)], region by region."""
   graphdef, state = nnx.split(model)
+  place = lambda x: x  # host rows go to the default device
+  if mesh is not None and mesh.size > 1:
+    state = parallel.place_state(mesh, state)
+    place = functools.partial(parallel.place_rows, mesh)
   step = functools.partial(_teacher_step, graphdef, state, projection_DxH, k=k,
                            chunk_size=chunk_size, vocab_size=vocab_size,
                            hidden=store.hidden_dim > 0)
@@ -160,7 +166,7 @@ def _write_regions(store, data_store, todo, model, projection_DxH, *, k, batch_s
       rows = data_store.read(slice(start, stop))
       # documents_bound of the whole region: one compiled step per region at most (usually one).
       bound = attention.documents_bound(rows["segment_ids"])
-      outputs = [step(*(_pad_rows(rows[name][lo:lo + batch_size], batch_size)
+      outputs = [step(*(place(_pad_rows(rows[name][lo:lo + batch_size], batch_size))
                         for name in ("tokens", "positions", "segment_ids")), max_documents=bound)
                  for lo in range(0, stop - start, batch_size)]  # dispatched, not awaited
       # The step's outputs in order; its hidden states (None unless cached) only when stored.

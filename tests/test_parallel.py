@@ -1,6 +1,7 @@
 """Student training over a device mesh (kdjax/parallel.py) on 8 CPU devices: every mesh shape
 gives one device's loss, metrics and gradients; a run on a 2 x 4 mesh, stopped and resumed from
-its sharded checkpoint, trains to one device's parameters; two processes (jax.distributed on
+its sharded checkpoint, trains to one device's parameters; the teacher sharded over 8 devices
+writes one device's cache; two processes (jax.distributed on
 localhost) write the same cache as one and train to one device's parameters; the mesh's checks.
 
 The 8 devices need XLA_FLAGS before jax starts, so the mesh runs go through a child process
@@ -83,9 +84,9 @@ def fit(workdir, name, steps, mesh):
   return parallel.gather(jax.tree.leaves(nnx.state(model)))
 
 
-def write_cache(workdir: str, name: str) -> str:
+def write_cache(workdir: str, name: str, mesh=None) -> str:
   """A top-5 cache of 10 rows (regions of 2) by a seeded tiny teacher; this process's regions
-  (rank = process) of workdir/name."""
+  (rank = process) of workdir/name; mesh: the teacher sharded over it."""
   data_path = os.path.join(workdir, "data")
   if jax.process_index() == 0 and not os.path.exists(data_path):
     rng = np.random.default_rng(2)
@@ -98,7 +99,7 @@ def write_cache(workdir: str, name: str) -> str:
   teacher.write_cache(llama.Transformer(CFG, rngs=nnx.Rngs(3)), cache.open(data_path),
                       os.path.join(workdir, name), k=5, batch_size=2, chunk_size=8,
                       vocab_size=CFG.vocab_size, attrs={"teacher_hash": "tiny"}, rank=rank,
-                      world=world)
+                      world=world, mesh=mesh)
   parallel.barrier(name)
   return os.path.join(workdir, name)
 
@@ -113,6 +114,14 @@ def files_of(path) -> dict:
         with open(os.path.join(root, name), "rb") as f:
           out[rel] = f.read()
   return out
+
+
+def sharded_teacher_difference(workdir: str) -> dict:
+  """The cache of the teacher sharded over this process's 8 devices against one device's."""
+  one = cache.open(os.path.join(workdir, "cache_one")).read(slice(0, 10))
+  got = cache.open(write_cache(workdir, "cache_sharded", parallel.local_mesh())).read(slice(0, 10))
+  return {"ids": float(np.mean(one["topk_ids"] != got["topk_ids"])),
+          "logprobs": float(np.abs(one["topk_logprobs"] - got["topk_logprobs"]).max())}
 
 
 def fit_differences(workdir: str) -> dict:
@@ -152,6 +161,8 @@ def test_mesh_shapes_and_processes_match_one_device(tmp_path):
   for shape, diffs in out["grad_step"].items():
     assert diffs["grads"] < 1e-4 and diffs["metrics"] < 1e-5, (shape, diffs)
   assert out["fit"]["params"] < 1e-5, out["fit"]
+  # the sharded teacher: the same top-5 (a near tie may swap) and log-probs to float32 rounding
+  assert out["teacher"]["ids"] < 0.01 and out["teacher"]["logprobs"] < 1e-4, out["teacher"]
 
   env = {**os.environ, parallel.ENV_COORDINATOR: f"localhost:{free_port()}",
          parallel.ENV_PROCESSES: "2"}
@@ -203,6 +214,7 @@ def test_fsdp_spec():
 if __name__ == "__main__":
   if sys.argv[1] == "mesh":
     write_cache(sys.argv[2], "cache_one")
-    print(json.dumps({"grad_step": grad_step_differences(), "fit": fit_differences(sys.argv[2])}))
+    print(json.dumps({"grad_step": grad_step_differences(), "fit": fit_differences(sys.argv[2]),
+                      "teacher": sharded_teacher_difference(sys.argv[2])}))
   else:
     print(json.dumps(two_process_difference(sys.argv[2])))
