@@ -145,16 +145,15 @@ def stage_cache(c, paths: Paths):
            "source": c.data.source}
   # Hidden states only where a loss reads them: the train split.
   hidden_dim = (c.cache.hidden_dim or model.cfg.d_model) if c.cache.hidden_states else 0
-  several = c.mesh.data * c.mesh.fsdp * c.mesh.tensor > 1  # the teacher sharded over them
+  # Of several processes each writes its own regions; a mesh of several devices shards the teacher
+  rank, world = parallel.cache_rank(c.cache.rank, c.cache.world)
+  mesh = parallel.local_mesh() if c.mesh.data * c.mesh.fsdp * c.mesh.tensor > 1 else None
   for split in ("train", "eval"):
     teacher.write_cache(model, cache.open(paths.data(split)), paths.cache(split), k=c.cache.k,
                         batch_size=c.cache.batch_size, chunk_size=c.cache.chunk_size,
                         vocab_size=model.lm_head_DxV().shape[1], attrs=attrs,
-                        layout=c.cache.layout,
-                        **dict(zip(("rank", "world"), parallel.cache_rank(c.cache.rank,
-                                                                          c.cache.world))),
-                        hidden_dim=hidden_dim if split == "train" else 0,
-                        mesh=parallel.local_mesh() if several else None)
+                        layout=c.cache.layout, rank=rank, world=world,
+                        hidden_dim=hidden_dim if split == "train" else 0, mesh=mesh)
     parallel.barrier(f"cache {split}")  # every region written before anyone reads the split
 
 
@@ -258,10 +257,10 @@ STAGES = {name: globals()[f"stage_{name}"] for name in config.STAGES}  # config 
 
 def run(c: ml_collections.ConfigDict):
   config.validate(c)
-  several = sorted(set(c.stages) - set(parallel.MULTI_PROCESS_STAGES))
-  if jax.process_count() > 1 and several:
-    raise ValueError(f"stages {several} run in one process: run them after this one without the "
-                     f"multi-process launcher (--config.stages=\"{tuple(several)}\").")
+  single = sorted(set(c.stages) - set(parallel.MULTI_PROCESS_STAGES))
+  if jax.process_count() > 1 and single:
+    raise ValueError(f"stages {single} run in one process: run them after this one without the "
+                     f"multi-process launcher (--config.stages=\"{tuple(single)}\").")
   lead = jax.process_index() == 0
   paths = Paths.from_config(c)
   checks.check_inputs(c, paths.tokenizer)  # the run's tokenizer, as Paths decided

@@ -25,6 +25,7 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from kdjax import cache, config, parallel, teacher, train  # noqa: E402
+from experiments.cache_faults import files as store_files  # noqa: E402
 from kdjax.models import llama  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,18 +105,6 @@ def write_cache(workdir: str, name: str, mesh=None) -> str:
   return os.path.join(workdir, name)
 
 
-def files_of(path) -> dict:
-  """{relative path: bytes} but the root metadata (it holds the creation time)."""
-  out = {}
-  for root, _, names in os.walk(path):
-    for name in names:
-      rel = os.path.relpath(os.path.join(root, name), path)
-      if rel != "zarr.json":
-        with open(os.path.join(root, name), "rb") as f:
-          out[rel] = f.read()
-  return out
-
-
 def sharded_teacher_difference(workdir: str) -> dict:
   """The cache of the teacher sharded over this process's 8 devices against one device's."""
   one = cache.open(os.path.join(workdir, "cache_one")).read(slice(0, 10))
@@ -142,7 +131,7 @@ def two_process_difference(workdir: str) -> dict:
   """This process's part of a run of two (jax.distributed, one CPU device each, parameters
   sharded over both): its parameters against the one-device run's."""
   parallel.initialize_distributed()
-  same_cache = files_of(write_cache(workdir, "cache_two")) == files_of(
+  same_cache = store_files(write_cache(workdir, "cache_two")) == store_files(
       os.path.join(workdir, "cache_one"))
   got = fit(workdir, "two", 3, mesh_of(1, 2))
   with np.load(os.path.join(workdir, "one.npz")) as f:

@@ -106,9 +106,10 @@ def applies(lhs_PxK: jax.Array, rhs: jax.Array, bm: int, t: Tiles | None = None)
   """Whether the kernels take these operands (forward and both gradients): one 16-bit dtype,
   K and N multiples of 64 (every tile divides them), the layout's BM the kernels'."""
   t = t or tiles()
-  k, n = lhs_PxK.shape[1], rhs.shape[1] * rhs.shape[2] // lhs_PxK.shape[1]
+  widths = rhs.shape[1:]  # K and N, in either order
   return (lhs_PxK.dtype == rhs.dtype and lhs_PxK.dtype in KERNEL_DTYPES and bm == t.bm
-          and k % ALIGN == 0 and n % ALIGN == 0 and ALIGN % t.bk == 0)
+          and lhs_PxK.shape[1] in widths and all(w % ALIGN == 0 for w in widths)
+          and ALIGN % t.bk == 0)
 
 
 def _transforms(dtype):

@@ -159,7 +159,8 @@ class MoE(nnx.Module):
     token_P = jnp.full((rows,), b * t_len, jnp.int32).at[row_A].set(
         jnp.arange(assignments, dtype=jnp.int32) // cfg.experts_per_token)
     y_PxD = jnp.take(y_NxD, token_P, axis=0, mode="fill", fill_value=0)  # no token: zeros
-    expert_P = jnp.repeat(jnp.maximum(groups.tile_expert_M, 0), t.bm)
+    if cfg.expert_bias:  # each padded row's expert, for the biases
+      expert_P = jnp.repeat(jnp.maximum(groups.tile_expert_M, 0), t.bm)
     matmul = functools.partial(grouped.grouped_matmul, groups=groups)
 
     if cfg.expert_weights == "mxfp4":  # stored [X, out, in]: the kernels read them transposed
