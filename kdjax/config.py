@@ -133,7 +133,7 @@ def base() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1    # data-parallel groups (each a copy of the sharded state)
   c.mesh.fsdp = 1    # devices sharing one copy of parameters, gradients and AdamW state
-  c.mesh.tensor = 1  # vocabulary-sharded lm_head: not yet supported, keep 1
+  c.mesh.tensor = 1  # devices splitting vocabulary, heads and MLP width (same rows)
   return c
 
 
@@ -219,15 +219,18 @@ def validate(c: ml_collections.ConfigDict):
   for f in ("data", "fsdp", "tensor"):
     _require(isinstance(c.mesh[f], int) and c.mesh[f] >= 1,
              f"mesh.{f} must be an integer >= 1, got {c.mesh[f]!r}")
-  _require(c.mesh.tensor == 1, f"mesh.tensor = {c.mesh.tensor}: a vocabulary-sharded lm_head is "
-           "not supported yet; use mesh.data and mesh.fsdp (their product the device count)")
+  _require(c.mesh.tensor == 1 or c.loss.impl not in ("reference", "paper"),
+           f"mesh.tensor = {c.mesh.tensor} splits the lm_head's vocabulary, which loss.impl "
+           f"{c.loss.impl!r} cannot take: use loss.impl 'auto' (or 'xla', 'pallas', "
+           "'pallas_exact'), or mesh.tensor = 1")
   shards = c.mesh.data * c.mesh.fsdp
   for name in ("opt", "pretrain"):
     _require(c[name].batch_size % shards == 0,
              f"{name}.batch_size = {c[name].batch_size} rows per micro-batch cannot be split over "
              f"mesh.data x mesh.fsdp = {shards} devices: make it a multiple of {shards}")
-  _require(shards == 1 or (c.opt.state_memory == "device" and c.loss.objective != "online"),
-           f"a mesh of {shards} devices takes opt.state_memory='device' and an offline "
+  size = shards * c.mesh.tensor
+  _require(size == 1 or (c.opt.state_memory == "device" and c.loss.objective != "online"),
+           f"a mesh of {size} devices takes opt.state_memory='device' and an offline "
            f"objective, got {c.opt.state_memory!r} and {c.loss.objective!r}")
 
 

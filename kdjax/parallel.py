@@ -1,15 +1,19 @@
 """The device mesh of a run (config group `mesh`) and where arrays live on it.
 
     mesh = make_mesh(c.mesh)            # axes ("data", "fsdp", "tensor"), sizes from the config
-    state = place_state(mesh, state)    # parameters and optimizer state sharded over "fsdp"
+    state = place_state(mesh, state)    # parameters and optimizer state over "tensor", "fsdp"
     batch = place_batch(mesh, batch)    # rows [A, B, ...] sharded over ("data", "fsdp")
 
 Student training is data-parallel over data x fsdp devices, each holding B / (data * fsdp) rows
 of a micro-batch, with fully sharded parameters, gradients and AdamW state (each array split
 along its largest dimension that the fsdp size divides; XLA gathers parameters where it needs
-them). The model body is partitioned by XLA from these placements; the fused loss, whose kernels
-XLA cannot partition, runs per device under `shard_map` on its own rows (`sharded_loss`): each
-device's masked mean is turned into the global one with two psums.
+them). With mesh.tensor > 1 the devices of a tensor group share the same rows and split the
+vocabulary, heads and MLP width of every parameter that has them (named by its shape letters:
+V, H, G, F; `spec_of`): the lm_head by vocabulary, the body Megatron-style. The model body is
+partitioned by XLA from these placements; the fused loss, whose kernels XLA cannot partition,
+runs per device under `shard_map` on its own rows and its own vocabulary columns
+(`sharded_loss`; the kernels' statistics combined across the tensor axis per chunk, kdjax.kernels
+.chunked.combine_shards): each device's masked mean is turned into the global one with psums.
 
 The teacher (cache stage) of a run whose mesh has several devices is sharded over each process's
 own devices (`local_mesh`: its weights split over them, a batch's rows too), so a teacher larger
@@ -22,7 +26,7 @@ process, `cache_rank`); the data stage runs on process 0 while the others wait; 
 run in one process afterwards.
 
 One device is the 1 x 1 x 1 mesh (the default): arrays on that device, the loss outside
-shard_map. mesh.tensor (a vocabulary-sharded lm_head) must be 1 for now.
+shard_map.
 """
 from __future__ import annotations
 
@@ -56,13 +60,41 @@ def data_shards(mesh: Mesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def spec_of(shape: tuple, fsdp: int) -> P:
-  """Shards the first dimension that fsdp divides (the largest first, ties: the earliest)."""
+# Dimensions split over "tensor", by their letter in a parameter's name (wq_DxHxE, w_down_FxD,
+# embed_VxD): the first of these the name has and the tensor size divides.
+TENSOR_DIMS = ("V", "H", "G", "F")
+
+
+def spec_of(shape: tuple, fsdp: int, tensor: int = 1, letters: tuple | None = None) -> P:
+  """A parameter's placement: over "tensor" its first TENSOR_DIMS dimension (letters: one per
+  dimension, from its name) that tensor divides; over "fsdp" the largest other dimension that
+  fsdp divides (ties: the earliest). Dimensions neither divides stay whole."""
+  axes = [None] * len(shape)
+  if tensor > 1 and letters:
+    for letter in TENSOR_DIMS:
+      if letter in letters and shape[letters.index(letter)] % tensor == 0:
+        axes[letters.index(letter)] = "tensor"
+        break
   if fsdp > 1:
     for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
-      if shape[i] % fsdp == 0:
-        return P(*([None] * i + ["fsdp"]))
-  return P()
+      if axes[i] is None and shape[i] % fsdp == 0:
+        axes[i] = "fsdp"
+        break
+  while axes and axes[-1] is None:
+    axes.pop()
+  return P(*axes)
+
+
+def letters_of(path: tuple, ndim: int) -> tuple | None:
+  """The shape letters of the parameter a tree path leads to (its last key named like
+  `wq_DxHxE` with ndim letters; optimizer state mirrors the parameters' paths), or None."""
+  for key in reversed(path):
+    name = getattr(key, "key", getattr(key, "name", None))
+    if isinstance(name, str) and "_" in name:
+      letters = tuple(name.rsplit("_", 1)[1].split("x"))
+      if len(letters) == ndim and all(letter[:1].isupper() for letter in letters):
+        return letters
+  return None
 
 
 def _place(x, sharding):
@@ -74,9 +106,14 @@ def _place(x, sharding):
 
 
 def place_state(mesh: Mesh, tree):
-  """Every array of tree on the mesh, sharded over "fsdp" (spec_of), replicated elsewhere."""
-  return jax.tree.map(
-      lambda x: _place(x, NamedSharding(mesh, spec_of(np.shape(x), mesh.shape["fsdp"]))), tree)
+  """Every array of tree on the mesh, sharded over "tensor" and "fsdp" as spec_of says for its
+  name's letters, replicated elsewhere."""
+  def place(path, x):
+    shape = np.shape(x)
+    spec = spec_of(shape, mesh.shape["fsdp"], mesh.shape["tensor"],
+                   letters_of(path, len(shape)))
+    return _place(x, NamedSharding(mesh, spec))
+  return jax.tree_util.tree_map_with_path(place, tree)
 
 
 def place_batch(mesh: Mesh, batch_AxB: dict) -> dict:
@@ -148,19 +185,27 @@ def initialize_distributed() -> None:
 
 
 def sharded_loss(loss_fn, mesh: Mesh | None, hidden_BxTxD, lm_head_DxV, batch: dict):
-  """loss_fn(hidden, lm_head, batch) -> (masked mean, {name: masked mean}) over the whole batch:
-  per device on its rows under shard_map when the batch axes span several devices (lm_head
-  gathered whole), each mean weighted by its device's count of batch["loss_mask"]."""
-  if mesh is None or data_shards(mesh) == 1:
-    return loss_fn(hidden_BxTxD, lm_head_DxV, batch)
+  """loss_fn(hidden, lm_head, batch, vocab_axis) -> (masked mean, {name: masked mean}) over the
+  whole batch: per device on its rows under shard_map when the mesh has several devices (lm_head
+  gathered whole, or with mesh.tensor > 1 its vocabulary split over "tensor": loss_fn then gets
+  vocab_axis="tensor", see kernels.topk_kl_loss), each mean weighted by its device's count of
+  batch["loss_mask"]."""
+  if mesh is None or mesh.size == 1:
+    return loss_fn(hidden_BxTxD, lm_head_DxV, batch, vocab_axis=None)
+  tensor = mesh.shape["tensor"]
+  if lm_head_DxV.shape[1] % tensor:
+    raise ValueError(f"the student's vocabulary ({lm_head_DxV.shape[1]}) cannot be split over "
+                     f"mesh.tensor = {tensor} devices: make mesh.tensor a divisor of it.")
+  vocab_axis = "tensor" if tensor > 1 else None
 
   def local(hidden_BxTxD, lm_head_DxV, batch):
-    value, metrics = loss_fn(hidden_BxTxD, lm_head_DxV, batch)
+    value, metrics = loss_fn(hidden_BxTxD, lm_head_DxV, batch, vocab_axis=vocab_axis)
     count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
     total = jnp.maximum(jax.lax.psum(count, BATCH_AXES), 1.0)
     mean = lambda x: jax.lax.psum(x * count, BATCH_AXES) / total
     return mean(value), {k: mean(v) for k, v in metrics.items()}
 
   rows = P(BATCH_AXES)
-  return jax.shard_map(local, mesh=mesh, in_specs=(rows, P(), {k: rows for k in batch}),
+  return jax.shard_map(local, mesh=mesh,
+                       in_specs=(rows, P(None, "tensor"), {k: rows for k in batch}),
                        out_specs=(P(), P()), check_vma=False)(hidden_BxTxD, lm_head_DxV, batch)

@@ -160,8 +160,9 @@ def loss_fn(trained_params, graphdef, batch, loss: LossSettings, max_documents: 
   return value, metrics
 
 
-def _distillation_loss(hidden_BxTxD, lm_head_DxV, batch, loss: LossSettings):
-  """The KL objective (plus CE mix) on the lm_head, and its metrics."""
+def _distillation_loss(hidden_BxTxD, lm_head_DxV, batch, loss: LossSettings, vocab_axis=None):
+  """The KL objective (plus CE mix) on the lm_head, and its metrics. vocab_axis: see
+  kernels.topk_kl_loss (parallel.sharded_loss passes it)."""
   if loss.objective == "online":
     value, terms = full_kl.full_kl_loss(
         hidden_BxTxD, lm_head_DxV, batch["teacher_hidden"], batch["teacher_head"],
@@ -176,7 +177,7 @@ def _distillation_loss(hidden_BxTxD, lm_head_DxV, batch, loss: LossSettings):
       batch["loss_mask"], objective=loss.objective, temperature=loss.temperature,
       labels=batch["labels"], ce_weight=loss.ce_weight, impl=loss.impl,
       chunk_size=loss.chunk_size or None, dw_dtype=loss.dw_dtype, return_aux=True,
-      per_position=per_position)
+      per_position=per_position, vocab_axis=vocab_axis)
   metrics = {"kl": aux["kl"], "ce": aux["ce"]}
   if per_position:  # masked means, like kl and ce; from the loss's own pass
     metrics.update(_masked_means({k: aux["positions"][k] for k in ("top1", "entropy")},

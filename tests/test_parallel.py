@@ -1,6 +1,9 @@
 """Student training over a device mesh (kdjax/parallel.py) on 8 CPU devices: every mesh shape
-gives one device's loss, metrics and gradients; a run on a 2 x 4 mesh, stopped and resumed from
-its sharded checkpoint, trains to one device's parameters; the teacher sharded over 8 devices
+(data x fsdp x tensor) gives one device's loss, metrics and gradients; the loss with its
+vocabulary split over 4 devices gives the whole vocabulary's (impls "xla" and "pallas_exact":
+Mosaic GPU's interpreter cannot run on several CPU devices at once, so impl "pallas" under a
+split vocabulary is tested on the GPU, tests/test_attention_gpu.py); a run on a 2 x 2 x 2 mesh,
+stopped and resumed from its sharded checkpoint, trains to one device's parameters; the teacher sharded over 8 devices
 writes one device's cache; two processes (jax.distributed on
 localhost) write the same cache as one and train to one device's parameters; the mesh's checks.
 
@@ -31,11 +34,11 @@ from kdjax.models import llama  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = llama.ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                         head_dim=8, d_ff=64)
-SHAPES = [(2, 4)]  # (data, fsdp); the fit below runs 2 x 4 too, the two processes 1 x 2
+SHAPES = [(2, 4, 1), (1, 2, 4)]  # (data, fsdp, tensor); the fit runs 2 x 2 x 2, two processes 1 x 2
 
 
-def mesh_of(data, fsdp):
-  return parallel.make_mesh(ml_collections.ConfigDict(dict(data=data, fsdp=fsdp, tensor=1)))
+def mesh_of(data, fsdp, tensor=1):
+  return parallel.make_mesh(ml_collections.ConfigDict(dict(data=data, fsdp=fsdp, tensor=tensor)))
 
 
 def random_rows(rng, n, t=16, k=5):
@@ -46,7 +49,7 @@ def random_rows(rng, n, t=16, k=5):
           "topk_logprobs": -np.sort(rng.exponential(2.0, (n, t, k)), -1).astype(np.float32)}
 
 
-def grad_step_differences() -> dict:
+def grad_step_differences(shapes=SHAPES) -> dict:
   """Largest difference from one device's loss, metrics and gradients, per mesh shape."""
   graphdef, params = nnx.split(llama.Transformer(CFG, rngs=nnx.Rngs(0)))
   loss = train.LossSettings.from_config(config.base().loss, False)
@@ -65,12 +68,61 @@ def grad_step_differences() -> dict:
 
   want = run(None)
   out = {}
-  for data, fsdp in SHAPES:
-    got = run(mesh_of(data, fsdp))
-    out[f"{data}x{fsdp}"] = {
+  for shape in shapes:
+    got = run(mesh_of(*shape))
+    out["x".join(map(str, shape))] = {
         "grads": max(float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
                      for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0]))),
         "metrics": max(abs(float(got[1][k]) - float(want[1][k])) for k in want[1])}
+  return out
+
+
+VOCAB_CASES = [  # impl, dtype, vocabulary (4 shards; 300: 75 each, not a multiple of a tile), loss
+    ("xla", "float32", 512, dict(objective="tail")),
+    ("xla", "float32", 300, dict(objective="renorm", ce_weight=0.3)),
+    ("pallas_exact", "bfloat16", 300, dict(objective="sparse", temperature=2.0, ce_weight=0.5)),
+    ("pallas_exact", "float32", 512, dict(objective="tail", temperature=0.7, far=True))]
+
+
+def vocab_sharded_differences() -> dict:
+  """kernels.topk_kl_loss with lm_head's vocabulary split over 4 devices (shard_map, vocab_axis)
+  against the whole vocabulary on one: loss, per-position terms, both gradients; 70 positions in
+  chunks of 32, K = 10, a mask, labels. far: the first shard's logits ~200 nats above the rest,
+  so the other shards' softmax terms underflow against it (the row-scale floor)."""
+  from jax.sharding import Mesh, PartitionSpec as P
+  from kdjax import kernels
+  mesh = Mesh(np.asarray(jax.devices()[:4]), ("tensor",))
+  out = {}
+  for impl, dtype, vocab, kw in VOCAB_CASES:
+    kw = dict(kw)
+    rng = np.random.default_rng(len(out))
+    n, dim, k = 70, 64, 10
+    w = rng.normal(size=(dim, vocab)) * 0.3
+    if kw.pop("far", False):
+      w[:, :vocab // 4] *= 40.0
+    h, w = jnp.asarray(rng.normal(size=(n, dim)), dtype), jnp.asarray(w, dtype)
+    ids = jnp.asarray(np.stack([rng.choice(vocab, k, replace=False) for _ in range(n)]))
+    logp = -np.sort(rng.exponential(2.0, (n, k)), -1) - 0.1
+    args = (ids, jnp.asarray(logp, jnp.float32), jnp.asarray(rng.random(n) > 0.2))
+    labels = jnp.asarray(rng.integers(0, vocab, n))
+
+    def loss(h, w, axis=None):
+      return kernels.topk_kl_loss(h, w, *args, labels=labels, impl=impl, chunk_size=32,
+                                  return_aux=True, per_position=True, vocab_axis=axis, **kw)
+
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(h, w)
+    (want, want_aux), want_grads = grad(loss)
+    (got, got_aux), got_grads = grad(jax.shard_map(
+        lambda h, w: loss(h, w, "tensor"), mesh=mesh, in_specs=(P(), P(None, "tensor")),
+        out_specs=(P(), P()), check_vma=False))
+    rel = lambda a, b: float(np.abs(np.float32(a) - np.float32(b)).max()
+                             / (np.abs(np.float32(b)).max() + 1e-30))
+    pos, want_pos = got_aux["positions"], want_aux["positions"]
+    out[f"{impl}-{dtype}-{vocab}-{kw['objective']}"] = {
+        "loss": rel(got, want), "dh": rel(got_grads[0], want_grads[0]),
+        "dw": rel(got_grads[1], want_grads[1]),
+        "positions": max(rel(pos[name], want_pos[name]) for name in ("kl", "ce", "entropy")),
+        "top1": float(np.mean(np.asarray(pos["top1"]) != np.asarray(want_pos["top1"])))}
   return out
 
 
@@ -115,13 +167,13 @@ def sharded_teacher_difference(workdir: str) -> dict:
 
 def fit_differences(workdir: str) -> dict:
   """Parameters after 3 steps: one device (saved to workdir/one.npz for the two-process run)
-  against a 2 x 4 mesh stopped after step 2 and resumed from its sharded checkpoint."""
+  against a 2 x 2 x 2 mesh stopped after step 2 and resumed from its sharded checkpoint."""
   store = cache.create(os.path.join(workdir, "cache"), num_seqs=24, seq_len=16, k=5,
                        vocab_size=CFG.vocab_size, attrs={"source": "test"})
   store.write(0, random_rows(np.random.default_rng(1), 24))
   want = fit(workdir, "one", 3, None)
   np.savez(os.path.join(workdir, "one.npz"), *want)
-  mesh = mesh_of(2, 4)
+  mesh = mesh_of(2, 2, 2)
   fit(workdir, "mesh", 2, mesh)
   got = fit(workdir, "mesh", 3, mesh)
   return {"params": max(float(np.abs(a - b).max()) for a, b in zip(got, want))}
@@ -149,6 +201,11 @@ def test_mesh_shapes_and_processes_match_one_device(tmp_path):
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   for shape, diffs in out["grad_step"].items():
     assert diffs["grads"] < 1e-4 and diffs["metrics"] < 1e-5, (shape, diffs)
+  for case, diffs in out["vocab"].items():  # bf16: dL/dz rounded per shard's matmul, as on one
+    assert diffs["loss"] < 1e-5 and diffs["positions"] < 1e-4 and diffs["top1"] == 0, (case, diffs)
+    assert diffs["dh"] < 1e-2 and diffs["dw"] < 1e-2, (case, diffs)
+    if "float32" in case:
+      assert diffs["dh"] < 1e-5 and diffs["dw"] < 1e-5, (case, diffs)
   assert out["fit"]["params"] < 1e-5, out["fit"]
   # the sharded teacher: the same top-5 (a near tie may swap) and log-probs to float32 rounding
   assert out["teacher"]["ids"] < 0.01 and out["teacher"]["logprobs"] < 1e-4, out["teacher"]
@@ -182,9 +239,11 @@ def test_mesh_checks():
   c.opt.batch_size, c.pretrain.batch_size = 8, 8
   config.validate(c)
   c.mesh.tensor = 2
-  with pytest.raises(ValueError, match="vocabulary-sharded"):
+  config.validate(c)
+  c.loss.impl = "paper"
+  with pytest.raises(ValueError, match="splits the lm_head's vocabulary.*'paper'"):
     config.validate(c)
-  c.mesh.tensor, c.opt.state_memory = 1, "host"
+  c.loss.impl, c.mesh.tensor, c.opt.state_memory = "auto", 1, "host"
   with pytest.raises(ValueError, match="state_memory='device'"):
     config.validate(c)
   with pytest.raises(ValueError, match="this run has 1"):
@@ -198,12 +257,21 @@ def test_fsdp_spec():
   assert parallel.spec_of((30, 64), 8) == P(None, "fsdp")  # the largest dimension it divides
   assert parallel.spec_of((30, 7), 8) == P()  # none: replicated
   assert parallel.spec_of((), 8) == P() and parallel.spec_of((96,), 1) == P()
+  # tensor: the named dimension it divides (V, H, G, F in that order), fsdp the largest other
+  assert parallel.spec_of((64, 8, 16), 2, 4, ("D", "H", "E")) == P("fsdp", "tensor")
+  assert parallel.spec_of((64, 2, 16), 2, 4, ("D", "G", "E")) == P("fsdp")  # 4 does not divide G
+  assert parallel.spec_of((96, 32), 1, 2, ("V", "D")) == P("tensor")
+  assert parallel.spec_of((96, 32), 2, 2, None) == P("fsdp")  # unnamed: fsdp only
+  path = (jax.tree_util.DictKey("mu"), jax.tree_util.DictKey("w_down_FxD"),
+          jax.tree_util.GetAttrKey("value"))
+  assert parallel.letters_of(path, 2) == ("F", "D") and parallel.letters_of(path, 3) is None
 
 
 if __name__ == "__main__":
   if sys.argv[1] == "mesh":
     write_cache(sys.argv[2], "cache_one")
-    print(json.dumps({"grad_step": grad_step_differences(), "fit": fit_differences(sys.argv[2]),
+    print(json.dumps({"grad_step": grad_step_differences(), "vocab": vocab_sharded_differences(),
+                      "fit": fit_differences(sys.argv[2]),
                       "teacher": sharded_teacher_difference(sys.argv[2])}))
   else:
     print(json.dumps(two_process_difference(sys.argv[2])))

@@ -130,9 +130,34 @@ def chunk_start(i, num_rows, chunk):
 
 
 def gather_rows(logits_CxV, ids_CxK, labels_C):
-  zk_CxK = jnp.take_along_axis(logits_CxV, ids_CxK, axis=-1)
-  zl_C = jnp.take_along_axis(logits_CxV, labels_C[:, None], axis=-1)[:, 0]
+  """z at the ids and labels; an id of -1 (another shard's, see local_ids) reads column 0."""
+  zk_CxK = jnp.take_along_axis(logits_CxV, jnp.maximum(ids_CxK, 0), axis=-1)
+  zl_C = jnp.take_along_axis(logits_CxV, jnp.maximum(labels_C, 0)[:, None], axis=-1)[:, 0]
   return zk_CxK, zl_C
+
+
+def local_ids(ids, offset, width: int):
+  """Vocabulary ids as columns of the shard [offset, offset + width), -1 where outside it."""
+  local = ids - offset
+  return jnp.where((local >= 0) & (local < width), local, -1)
+
+
+def combine_shards(axis, ids_CxK, labels_C, sums, shift_C, zk_CxK, zl_C, extra, spec):
+  """A vocabulary-sharded chunk's statistics over the whole vocabulary (the paper's
+  tensor-parallel loss): each shard's sums, taken against its own shift, rescaled to the largest
+  shift of any shard and summed; the top-k and label logits from the shard that holds them (ids
+  local, -1 elsewhere). Returns (sums, shift, zk, zl, extra) as a project over all shards would."""
+  psum = lambda x: jax.lax.psum(x, axis)
+  zk_CxK = psum(jnp.where(ids_CxK >= 0, zk_CxK, 0.0))
+  zl_C = psum(jnp.where(labels_C >= 0, zl_C, 0.0))
+  top_shift_C = jax.lax.pmax(shift_C, axis)
+  gaps = [(shift_C - top_shift_C) * s for s in softmax_scales(spec)]  # <= 0
+  out_sums = tuple(psum(s_C * jnp.exp(gap_C)) for s_C, gap_C in zip(sums, gaps))
+  if extra is not None:  # sum exp(x) x against the new shift: e^g (sum exp(x) x + g sum exp(x))
+    top_C, xex_C, slack = extra
+    extra = (jax.lax.pmax(top_C, axis), psum(jnp.exp(gaps[0]) * (xex_C + gaps[0] * sums[0])),
+             slack)
+  return out_sums, top_shift_C, zk_CxK, zl_C, extra
 
 
 def logits_project(exp_pass: Callable) -> Callable:
@@ -162,20 +187,30 @@ def logits_project(exp_pass: Callable) -> Callable:
 
 
 def chunk_terms(hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, project, dtype,
-                stats=False):
+                stats=False, axis=None):
   """One chunk's projection (a `project` as from logits_project) and its loss terms.
 
   dtype: the matmul dtype if E is wanted (gradients with a one-softmax dense part), else None.
+  axis: None, or the shard_map axis lm_head's vocabulary is split over (ids and labels then
+  local_ids; the statistics combined over it, combine_shards).
   Returns (logits or None, E or None, sums, gathered (zk, zl, lse_s, lse_z), terms); with stats
-  terms also holds the per-position "entropy" and "top1" (see position_terms).
+  terms also holds the per-position "entropy" and "top1" (see position_terms). sums: this
+  shard's (sum_V exp((z - shift) / tau) against its own shift, and E's divisor towards
+  softmax(z / tau), sum * exp((shift of all shards - own shift) / tau)).
   """
   logits_CxV, e_CxV, sums, shift_C, zk_CxK, zl_C, extra = project(
       hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats)
+  own_sum_C, divisor_C = sums[0], sums[0]
+  if axis is not None:
+    own_shift_C = shift_C
+    sums, shift_C, zk_CxK, zl_C, extra = combine_shards(axis, ids_CxK, labels_C, sums, shift_C,
+                                                        zk_CxK, zl_C, extra, spec)
+    divisor_C = sums[0] * jnp.exp((shift_C - own_shift_C) / spec.temperature)
   lse_s_C, lse_z_C = normalisers(sums, shift_C, spec)
   terms = objectives.row_terms(zk_CxK, zl_C, lse_s_C, lse_z_C, logp_CxK, spec)
   if stats:
     terms.update(position_terms(sums[0], extra, zk_CxK, logp_CxK))
-  return logits_CxV, e_CxV, sums, (zk_CxK, zl_C, lse_s_C, lse_z_C), terms
+  return (logits_CxV, e_CxV, (own_sum_C, divisor_C), (zk_CxK, zl_C, lse_s_C, lse_z_C), terms)
 
 
 def position_terms(sum_C, extra, zk_CxK, logp_CxK):
@@ -191,35 +226,44 @@ def position_terms(sum_C, extra, zk_CxK, logp_CxK):
   return dict(entropy=jnp.log(sum_C) - xex_C / sum_C, top1=z_top_C + slack >= top_C)
 
 
-def row_scale(coef_C, sum_C, vals_CxJ):
-  """r = coef / sum (see module doc), with coef kept away from 0 by COEF_FLOOR; 0 on rows whose
-  coefficient and exact entries are all 0 (masked rows)."""
-  floor_C = COEF_FLOOR * jnp.max(jnp.abs(vals_CxJ), axis=-1)
-  coef_C = jnp.where(jnp.abs(coef_C) < floor_C, jnp.where(coef_C < 0, -floor_C, floor_C), coef_C)
-  return coef_C / sum_C
+def row_scale(coef_C, sums, vals_CxJ):
+  """r = coef / divisor (see module doc; sums as chunk_terms returns them), kept away from 0 by
+  COEF_FLOOR: |r| * own sum, what E's rows add up to, at least COEF_FLOOR times the row's
+  largest exact entry; 0 on rows whose coefficient and exact entries are all 0 (masked rows).
+  (Of a vocabulary shard far below the others' maxima r would underflow: floored, its E adds
+  at most that much.)"""
+  own_sum_C, divisor_C = sums
+  floor_C = COEF_FLOOR * jnp.max(jnp.abs(vals_CxJ), axis=-1) / own_sum_C
+  r_C = coef_C / divisor_C
+  return jnp.where(jnp.abs(r_C) < floor_C, jnp.where(coef_C < 0, -floor_C, floor_C), r_C)
 
 
 def scatter_entries(dense_CxV, scale_C, ent_ids_CxJ, ent_vals_CxJ):
   """dL/dz / scale in dense's dtype: the dense part (already divided by scale) with the exact
-  entries (objectives.sparse_entries) divided by scale and set over it."""
+  entries (objectives.sparse_entries) divided by scale and set over it; ids of -1 dropped."""
   safe_C = jnp.where(scale_C == 0, 1.0, scale_C)
   ent_vals_CxJ = jnp.where(scale_C[:, None] == 0, 0.0, ent_vals_CxJ / safe_C[:, None])
   rows_CxJ = jnp.broadcast_to(jnp.arange(dense_CxV.shape[0])[:, None], ent_ids_CxJ.shape)
-  return dense_CxV.at[rows_CxJ, ent_ids_CxJ].set(ent_vals_CxJ.astype(dense_CxV.dtype))
+  ent_ids_CxJ = jnp.where(ent_ids_CxJ < 0, dense_CxV.shape[1], ent_ids_CxJ)
+  return dense_CxV.at[rows_CxJ, ent_ids_CxJ].set(ent_vals_CxJ.astype(dense_CxV.dtype),
+                                                 mode="drop")
 
 
 def chunk_dlogits(logits_CxV, e_CxV, sums, gathered, terms, ids_CxK, labels_C, w_C, spec, dtype,
-                  dense_grad):
-  """(dL/dz / r in dtype, r [C]) for one chunk: dL/dz = r * the returned matrix, row by row."""
+                  dense_grad, offset=0):
+  """(dL/dz / r in dtype, r [C]) for one chunk: dL/dz = r * the returned matrix, row by row.
+  ids and labels: vocabulary ids; of a vocabulary shard, its columns start at `offset`."""
   a_C, b_C = terms["a"] * w_C, terms["b"] * w_C
   ent_ids_CxJ, ent_vals_CxJ = objectives.sparse_entries(ids_CxK, labels_C, *gathered, terms, w_C,
                                                         spec)
+  width = (logits_CxV if e_CxV is None else e_CxV).shape[1]
+  ent_ids_CxJ = local_ids(ent_ids_CxJ, offset, width)
   if e_CxV is None:  # two softmaxes: a second pass writes dL/dz itself
     _, _, lse_s_C, lse_z_C = gathered
     dense_CxV = dense_grad(logits_CxV, lse_s_C, lse_z_C, a_C, b_C, spec, dtype)
     scale_C = jnp.ones_like(a_C)
   else:
-    dense_CxV, scale_C = e_CxV, row_scale(a_C + b_C, sums[0], ent_vals_CxJ)
+    dense_CxV, scale_C = e_CxV, row_scale(a_C + b_C, sums, ent_vals_CxJ)
   return scatter_entries(dense_CxV, scale_C, ent_ids_CxJ, ent_vals_CxJ), scale_C
 
 
@@ -240,11 +284,18 @@ def zero_positions(num_rows: int) -> tuple:
 
 
 def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
-                 dw_dtype, project, dense_grad, with_grads, per_position=False):
+                 dw_dtype, project, dense_grad, with_grads, per_position=False, axis=None):
   """Scan over chunks. Returns (kl_sum, ce_sum) weighted by w, the per-position terms (a tuple
   of [N] arrays in POSITION_TERMS order, empty unless per_position), plus (dh, dW) if
-  with_grads; dW in dw_dtype."""
+  with_grads; dW in dw_dtype.
+
+  axis: None, or the shard_map axis whose i-th device holds lm_head's vocabulary columns
+  [i * V, (i + 1) * V) (ids and labels are global): the kernels run on the shard and the
+  statistics are combined across it per chunk (combine_shards); every shard returns the same
+  loss terms, its share of dh (its columns' part: summed over the axis it is dh) and its dW."""
   num_rows, _ = hidden_NxD.shape
+  vocab = lm_head_DxV.shape[1]
+  offset = 0 if axis is None else jax.lax.axis_index(axis) * vocab
   dtype = jnp.promote_types(hidden_NxD.dtype, lm_head_DxV.dtype)
   take = lambda x, start: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=0)
   e_dtype = dtype if with_grads and writes_dense(spec) else None
@@ -255,8 +306,8 @@ def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec
     ids_CxK, labels_C = take(ids_NxK, start), take(labels_N, start)
     w_C = jnp.where(fresh_C, take(w_N, start), 0.0)
     logits_CxV, e_CxV, sums, gathered, terms = chunk_terms(
-        h_CxD, lm_head_DxV, ids_CxK, take(logp_NxK, start), labels_C, spec, project, e_dtype,
-        per_position)
+        h_CxD, lm_head_DxV, local_ids(ids_CxK, offset, vocab), take(logp_NxK, start),
+        local_ids(labels_C, offset, vocab), spec, project, e_dtype, per_position, axis)
     kl, ce = jnp.sum(w_C * terms["kl"]), jnp.sum(w_C * terms["ce"])
     # Overlapping rows of the last chunk get identical values again: a plain overwrite.
     positions = tuple(jax.lax.dynamic_update_slice_in_dim(x_N, terms[name].astype(x_N.dtype),
@@ -266,7 +317,7 @@ def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec
       return (carry[0] + kl, carry[1] + ce, positions), None
     kl_sum, ce_sum, _, dh_NxD, dw_DxV = carry
     dz_CxV, scale_C = chunk_dlogits(logits_CxV, e_CxV, sums, gathered, terms, ids_CxK, labels_C,
-                                    w_C, spec, dtype, dense_grad)
+                                    w_C, spec, dtype, dense_grad, offset)
     dh_CxD = scale_C[:, None] * jnp.einsum("cv,dv->cd", dz_CxV, lm_head_DxV.astype(dtype),
                                            preferred_element_type=jnp.float32)
     dh_CxD = jnp.where(fresh_C[:, None], dh_CxD.astype(dh_NxD.dtype), take(dh_NxD, start))
@@ -285,34 +336,41 @@ def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec
 
 
 def build_fused_loss(project: Callable, dense_grad: Callable):
-  """custom_vjp loss (h, W, ids, logp, w, labels, spec, chunk, dw_dtype, per_position)
+  """custom_vjp loss (h, W, ids, logp, w, labels, spec, chunk, dw_dtype, per_position, axis)
   -> (loss, kl, ce, positions): positions as chunked_loss returns them (no gradient).
 
   dw_dtype: the dtype dW is accumulated in across chunks (None: lm_head's); returned in
   lm_head's dtype.
+
+  axis: see chunked_loss; for shard_map(check_vma=False) with hidden replicated over it. There
+  a replicated output's cotangent reaches each of the n devices as 1/n of it and a replicated
+  input's cotangent is summed over them: so bwd sums the loss's cotangent over the axis and
+  returns each device's share of dh, which shard_map's sum completes.
   """
 
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
   def loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype,
-           per_position):
+           per_position, axis):
     kl, ce, positions = chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N,
                                      spec, chunk, dw_dtype, project, dense_grad,
-                                     with_grads=False, per_position=per_position)
+                                     with_grads=False, per_position=per_position, axis=axis)
     return kl + spec.ce_weight * ce, kl, ce, positions
 
   def fwd(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype,
-          per_position):
+          per_position, axis):
     kl, ce, positions, dh_NxD, dw_DxV = chunked_loss(
         hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
         dw_dtype or lm_head_DxV.dtype, project, dense_grad, with_grads=True,
-        per_position=per_position)
+        per_position=per_position, axis=axis)
     # An empty array carries lm_head's dtype to bwd (residuals must be arrays).
     dtype_tag = jnp.zeros((0,), lm_head_DxV.dtype)
     return (kl + spec.ce_weight * ce, kl, ce, positions), (dh_NxD, dw_DxV, dtype_tag)
 
-  def bwd(spec, chunk, dw_dtype, per_position, residuals, cotangents):
+  def bwd(spec, chunk, dw_dtype, per_position, axis, residuals, cotangents):
     dh_NxD, dw_DxV, dtype_tag = residuals
     g = cotangents[0]  # kl, ce and the positions are logged values: their cotangents are ignored
+    if axis is not None:
+      g = jax.lax.psum(g, axis)
     scale = lambda x, dtype: (x.astype(jnp.float32) * g).astype(dtype)
     return scale(dh_NxD, dh_NxD.dtype), scale(dw_DxV, dtype_tag.dtype), None, None, None, None
 

@@ -97,10 +97,13 @@ def fused_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats
       (jnp.int32(0), row_sums([sum_PxC] + xex)))
   e_CxV = jax.freeze(e_ref)
   ids_CxJ = jnp.concatenate([ids_CxK, labels_C[:, None]], axis=-1)
+  in_shard_CxJ = ids_CxJ >= 0  # -1: another vocabulary shard's id (chunked.local_ids)
+  ids_CxJ = jnp.maximum(ids_CxJ, 0)
   e_CxJ = jnp.take_along_axis(e_CxV, ids_CxJ, axis=-1).astype(jnp.float32)
   tiny = jnp.finfo(jnp.float32).tiny  # bf16's smallest normal too
   z_CxJ = tau * (shift_C[:, None] + jnp.log(jnp.maximum(e_CxJ, tiny)))
-  z_CxJ = exact_logits_where(e_CxJ < tiny, z_CxJ, hidden_CxD, lm_head_DxV, ids_CxJ)
+  z_CxJ = exact_logits_where((e_CxJ < tiny) & in_shard_CxJ, z_CxJ, hidden_CxD, lm_head_DxV,
+                             ids_CxJ)
   # Per-position statistics: a read-back logit lies within tau * 2^-8 of its exact value.
   extra = (tau * top_C, xex_C[0], tau * 2.0 ** -8) if stats else None
   return None, e_CxV, (sum_C,), tau * shift_C, z_CxJ[:, :-1], z_CxJ[:, -1], extra
@@ -144,7 +147,7 @@ _loss = chunked.build_fused_loss(project, pallas_exact.dense_grad)
 
 
 def topk_kl_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
-                 dw_dtype, per_position=False):
+                 dw_dtype, per_position=False, axis=None):
   """The chunked loss (chunked.build_fused_loss's contract) on the fused path where it applies: the
   chunk is rounded down to a multiple of row_multiple() and fewer rows are padded to one (padded
   rows weigh 0; the padding's own gradient drops them)."""
@@ -159,5 +162,5 @@ def topk_kl_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec
           padded(x) for x in (hidden_NxD, ids_NxK, logp_NxK, w_N, labels_N))
     chunk = max(mult, min(chunk, num_rows + pad) // mult * mult)
   loss, kl, ce, positions = _loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N,
-                                  spec, chunk, dw_dtype, per_position)
+                                  spec, chunk, dw_dtype, per_position, axis)
   return loss, kl, ce, tuple(x_N[:num_rows] for x_N in positions)

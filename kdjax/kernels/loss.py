@@ -96,7 +96,7 @@ def _check_chunk(chunk_size):
 
 def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="sparse",
                  temperature=1.0, labels=None, ce_weight=0.0, impl="auto", chunk_size=None,
-                 dw_dtype=None, return_aux=False, per_position=False):
+                 dw_dtype=None, return_aux=False, per_position=False, vocab_axis=None):
   """Top-k KL distillation loss (module docstring has the definitions).
 
   Args:
@@ -119,6 +119,12 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
       within tau * 2^-8, a teacher top-1 up to 2 * tau * 2^-8 short of the student's maximum
       counts too, a true agreement always counts), shaped like mask, from the loss's own pass
       (not for impl "paper"). Needs return_aux.
+    vocab_axis: None, or (inside shard_map) the mesh axis the vocabulary is split over: lm_head
+      is then this device's columns [i * V, (i + 1) * V) of the whole [D, V * n] head, i its
+      index along the axis; topk_ids and labels stay ids of the whole vocabulary. Every device
+      gets the loss over the whole vocabulary, the kernels running on its own columns (the
+      chunked impls "xla", "pallas", "pallas_exact"), and its share of the gradients: hidden's
+      whole, lm_head's own columns.
   Returns:
     float32 scalar loss, differentiable in hidden and lm_head; (loss, aux) with return_aux.
   """
@@ -140,6 +146,9 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
   if per_position and (not return_aux or not has_position_terms(impl)):
     raise ValueError("per_position needs return_aux=True and an impl other than 'paper' (the "
                      "paper's algorithm has no per-position outputs)")
+  if vocab_axis is not None and impl in ("reference", "paper"):
+    raise ValueError(f"impl {impl!r} takes a whole lm_head; a vocabulary-sharded one "
+                     "(vocab_axis) needs impl 'auto', 'xla', 'pallas' or 'pallas_exact'")
   if dw_dtype is not None:
     dw_dtype = jnp.dtype(dw_dtype)
     if not jnp.issubdtype(dw_dtype, jnp.floating):
@@ -172,7 +181,7 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
     if impl == "paper":
       loss, kl, ce = fused(*args)
     else:
-      loss, kl, ce, positions = fused(*args, per_position)
+      loss, kl, ce, positions = fused(*args, per_position, vocab_axis)
   if not return_aux:
     return loss
   aux = {"kl": jax.lax.stop_gradient(kl), "ce": jax.lax.stop_gradient(ce)}
