@@ -13,6 +13,7 @@ from kdjax.cache.layout import LAYOUTS
 from kdjax.data.sources import LOSS_MASKS
 from kdjax.kernels import IMPLS
 from kdjax.models import llama
+from kdjax.parallel import TEACHER_DEVICES
 from kdjax.train import OBJECTIVES, STATE_MEMORIES
 
 # The choices below are owned by the modules that implement them (imported above); the stages
@@ -96,6 +97,10 @@ def base() -> ml_collections.ConfigDict:
   c.cache.chunk_size = 128  # positions per teacher lm_head chunk (bounds [B, C, V] logits)
   c.cache.rank = 0  # this writer's index: several processes/hosts write disjoint regions
   c.cache.world = 1  # number of writers (rank r writes regions r, r + world, ...)
+  # With a mesh of several devices the teacher is sharded over "process": each process's own
+  # devices (each process writes its own regions), or "all": every process's (a teacher larger
+  # than one host; every process runs each batch, process 0 writes).
+  c.cache.teacher_devices = "process"
   # Also cache the teacher's final hidden states (bf16, train split) for loss.hidden_weight:
   # 2 * hidden_dim bytes per position before compression; hidden_dim 0 = the teacher's width,
   # smaller = a fixed random projection to that width (kdjax/teacher.py)
@@ -191,6 +196,9 @@ def validate(c: ml_collections.ConfigDict):
     _require(c.cache[f] > 0, f"cache.{f} must be > 0, got {c.cache[f]}")
   _require(0 <= c.cache.rank < c.cache.world,
            f"cache.rank must be in [0, cache.world = {c.cache.world}), got {c.cache.rank}")
+  _require(c.cache.teacher_devices in TEACHER_DEVICES,
+           f"cache.teacher_devices must be one of {TEACHER_DEVICES}, got "
+           f"{c.cache.teacher_devices!r}")
   _require(c.loss.objective in OBJECTIVES,
            f"loss.objective must be one of {OBJECTIVES}, got {c.loss.objective!r}")
   _require(c.loss.impl in IMPLS, f"loss.impl must be one of {IMPLS}, got {c.loss.impl!r}")

@@ -16,8 +16,9 @@ runs per device under `shard_map` on its own rows and its own vocabulary columns
 .chunked.combine_shards): each device's masked mean is turned into the global one with psums.
 
 The teacher (cache stage) of a run whose mesh has several devices is sharded over each process's
-own devices (`local_mesh`: its weights split over them, a batch's rows too), so a teacher larger
-than one GPU fits in one host's.
+own devices (`teacher_mesh`: its weights split over them as they load, a batch's rows too), so a
+teacher larger than one GPU fits in one host's; with cache.teacher_devices = "all" over every
+process's devices, so a teacher larger than one host fits in all of them.
 
 Several processes (jax.distributed: launch/multiprocess.sh, launch/slurm.sh): the mesh spans
 every process's devices and the training stages run on all of them, each process loading the
@@ -86,10 +87,11 @@ def spec_of(shape: tuple, fsdp: int, tensor: int = 1, letters: tuple | None = No
 
 
 def letters_of(path: tuple, ndim: int) -> tuple | None:
-  """The shape letters of the parameter a tree path leads to (its last key named like
-  `wq_DxHxE` with ndim letters; optimizer state mirrors the parameters' paths), or None."""
+  """The shape letters of the parameter a path leads to (its last key named like `wq_DxHxE`
+  with ndim letters; optimizer state mirrors the parameters' paths), or None. Keys: tree path
+  entries or plain names."""
   for key in reversed(path):
-    name = getattr(key, "key", getattr(key, "name", None))
+    name = key if isinstance(key, str) else getattr(key, "key", getattr(key, "name", None))
     if isinstance(name, str) and "_" in name:
       letters = tuple(name.rsplit("_", 1)[1].split("x"))
       if len(letters) == ndim and all(letter[:1].isupper() for letter in letters):
@@ -99,21 +101,24 @@ def letters_of(path: tuple, ndim: int) -> tuple | None:
 
 def _place(x, sharding):
   """x (the same on every process) as a global array: each process fills its own devices."""
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+  if isinstance(x, jax.Array) and (not x.is_fully_addressable or jax.process_count() == 1):
     return jax.device_put(x, sharding)
   x = np.asarray(jax.device_get(x)) if isinstance(x, jax.Array) else np.asarray(x)
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
+def place_param(mesh: Mesh, path: tuple, x):
+  """One parameter (host or device array, the same on every process) where place_state puts
+  it: path names it (tree path entries or plain keys, its name last)."""
+  shape = np.shape(x)
+  spec = spec_of(shape, mesh.shape["fsdp"], mesh.shape["tensor"], letters_of(path, len(shape)))
+  return _place(x, NamedSharding(mesh, spec))
+
+
 def place_state(mesh: Mesh, tree):
   """Every array of tree on the mesh, sharded over "tensor" and "fsdp" as spec_of says for its
   name's letters, replicated elsewhere."""
-  def place(path, x):
-    shape = np.shape(x)
-    spec = spec_of(shape, mesh.shape["fsdp"], mesh.shape["tensor"],
-                   letters_of(path, len(shape)))
-    return _place(x, NamedSharding(mesh, spec))
-  return jax.tree_util.tree_map_with_path(place, tree)
+  return jax.tree_util.tree_map_with_path(lambda path, x: place_param(mesh, path, x), tree)
 
 
 def place_batch(mesh: Mesh, batch_AxB: dict) -> dict:
@@ -135,16 +140,26 @@ def place_rows(mesh: Mesh, x_BxT):
   return _place(x_BxT, NamedSharding(mesh, spec))
 
 
-def local_mesh() -> Mesh:
-  """This process's devices as one fsdp group (the teacher's mesh: its weights sharded over
-  them, each device running its share of a batch's rows)."""
-  devices = jax.local_devices()
+TEACHER_DEVICES = ("process", "all")
+
+
+def teacher_mesh(devices: str) -> Mesh:
+  """The teacher's devices as one fsdp group (its weights sharded over them, each running its
+  share of a batch's rows): "process", this process's own; "all", every process's (a teacher
+  larger than one host: every process runs each batch, process 0 writes the cache)."""
+  devices = jax.local_devices() if devices == "process" else jax.devices()
   return Mesh(np.asarray(devices).reshape(1, len(devices), 1), AXES)
 
 
+def spans_processes(mesh: Mesh | None) -> bool:
+  return mesh is not None and any(d.process_index != jax.process_index()
+                                  for d in mesh.devices.flat)
+
+
 def gather(tree):
-  """A tree of (possibly sharded, multi-process) arrays as host numpy arrays, on every process."""
-  if jax.process_count() == 1:
+  """A tree of (possibly sharded, multi-process) arrays as host numpy arrays, on every process;
+  when some span several processes a collective, which every process must call."""
+  if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree)):
     return jax.device_get(tree)
   from jax.experimental import multihost_utils
   return multihost_utils.process_allgather(tree, tiled=True)

@@ -12,6 +12,7 @@ Outputs under the workdir:
   export/                     (stage export) the student as a Hugging Face checkpoint directory
 """
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -66,13 +67,17 @@ def model_config(group: ml_collections.ConfigDict, vocab_size: int) -> llama.Mod
   return llama.ModelConfig.from_config(group, vocab_size=group.vocab_size or vocab_size)
 
 
-def new_model(group, vocab_size: int, seed: int) -> tuple[nnx.Module, llama.ModelConfig]:
-  """A model from its Hugging Face checkpoint (group.hf_path) or freshly initialised."""
+def new_model(group, vocab_size: int, seed: int,
+              mesh=None) -> tuple[nnx.Module, llama.ModelConfig]:
+  """A model from its Hugging Face checkpoint (group.hf_path) or freshly initialised. mesh: of
+  several devices, a checkpoint's tensors go straight to their shards (parallel.place_param)."""
   if group.hf_path:
     from kdjax.models import hf  # imported lazily: only runs with checkpoints need safetensors
     start = time.perf_counter()
+    place = (functools.partial(parallel.place_param, mesh)
+             if mesh is not None and mesh.size > 1 else None)
     model, cfg = hf.load(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
-                         remat=group.remat)
+                         remat=group.remat, place=place)
     logging.info("loaded %s in %.1f s", group.hf_path, time.perf_counter() - start)
     return model, cfg
   cfg = model_config(group, vocab_size)
@@ -109,10 +114,11 @@ def _fit(c, paths, name, group, opt, open_store, hard_labels, teacher=None):
   if done is not None:
     logging.info("%s: finished (step %d), restored", name, opt.steps)
     return done, done.cfg
-  model, cfg = new_model(group, vocab, c.seed)
+  mesh = parallel.make_mesh(c.mesh)
+  model, cfg = new_model(group, vocab, c.seed, mesh)
   model = train.fit(name=name, model=model, model_cfg=cfg, store=store,
                     workdir=paths.run(name), opt=opt, loss_cfg=c.loss, hard_labels=hard_labels,
-                    seed=c.seed, teacher=teacher, mesh=parallel.make_mesh(c.mesh))
+                    seed=c.seed, teacher=teacher, mesh=mesh)
   return model, cfg
 
 
@@ -124,9 +130,9 @@ def stage_pretrain(c, paths: Paths):
   return _fit(c, paths, "teacher", c.teacher, c.pretrain, _open_data(c, paths, "train"), True)
 
 
-def load_teacher(c, paths: Paths):
+def load_teacher(c, paths: Paths, mesh=None):
   if c.teacher.hf_path:
-    return new_model(c.teacher, 0, c.seed)[0]
+    return new_model(c.teacher, 0, c.seed, mesh)[0]
   model = finished_model(c, paths, "teacher", c.teacher, c.pretrain)
   if model is None:
     raise FileNotFoundError(
@@ -136,7 +142,11 @@ def load_teacher(c, paths: Paths):
 
 
 def stage_cache(c, paths: Paths):
-  model = load_teacher(c, paths)
+  # A mesh of several devices shards the teacher over this process's devices, or with
+  # cache.teacher_devices "all" over every process's (then process 0 alone writes).
+  several = c.mesh.data * c.mesh.fsdp * c.mesh.tensor > 1
+  mesh = parallel.teacher_mesh(c.cache.teacher_devices) if several else None
+  model = load_teacher(c, paths, mesh)
   # The hash identifies the weights; the name is for people (a workdir may move, so no path).
   attrs = {"teacher": c.teacher.hf_path or "trained by stage pretrain (<workdir>/teacher)",
            "teacher_hash": teacher.weights_hash(
@@ -145,9 +155,9 @@ def stage_cache(c, paths: Paths):
            "source": c.data.source}
   # Hidden states only where a loss reads them: the train split.
   hidden_dim = (c.cache.hidden_dim or model.cfg.d_model) if c.cache.hidden_states else 0
-  # Of several processes each writes its own regions; a mesh of several devices shards the teacher
-  rank, world = parallel.cache_rank(c.cache.rank, c.cache.world)
-  mesh = parallel.local_mesh() if c.mesh.data * c.mesh.fsdp * c.mesh.tensor > 1 else None
+  # Of several processes each writes its own regions, unless they all run one teacher.
+  rank, world = ((c.cache.rank, c.cache.world) if parallel.spans_processes(mesh)
+                 else parallel.cache_rank(c.cache.rank, c.cache.world))
   for split in ("train", "eval"):
     teacher.write_cache(model, cache.open(paths.data(split)), paths.cache(split), k=c.cache.k,
                         batch_size=c.cache.batch_size, chunk_size=c.cache.chunk_size,

@@ -16,9 +16,10 @@ take disjoint regions, and a second writer of a rank already running is refused 
 rank with nothing left to write returns at once, without the lock.
 """
 import concurrent.futures
+import contextlib
+import functools
 import hashlib
 import os
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -107,8 +108,10 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
     region_rows: rows per region; default the data store's.
     hidden_dim: 0, or also cache the final hidden states: H = the teacher's width D whole, else a
       fixed random projection to H columns (its seed in the cache's attributes).
-    mesh: devices of this process to shard the teacher over (kdjax/parallel.py: weights over
-      fsdp, a batch's rows over the devices when they divide it), or None for one device.
+    mesh: devices to shard the teacher over (kdjax/parallel.py: weights over fsdp, a batch's
+      rows over the devices when they divide it), or None for one device. A mesh over several
+      processes' devices (parallel.teacher_mesh("all")): every process calls this together and
+      runs each batch, process 0 alone creates and writes the cache (rank, world as given).
   Raises:
     CacheError: bad k or vocabulary, another writer of this rank running, a store of another
       spec at cache_path, a full disk; the message says what to do.
@@ -131,22 +134,39 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
   for key in ("tokenizer_hash", "source"):
     if key in data_store.attrs:
       attrs.setdefault(key, data_store.attrs[key])
-  store = cache.create(cache_path, num_seqs=data_store.num_seqs, seq_len=data_store.seq_len, k=k,
-                       vocab_size=vocab_size, attrs=attrs, layout=layout,
-                       region_rows=region_rows or data_store.region_rows, hidden_dim=hidden_dim)
+  create = functools.partial(
+      cache.create, cache_path, num_seqs=data_store.num_seqs, seq_len=data_store.seq_len, k=k,
+      vocab_size=vocab_size, attrs=attrs, layout=layout,
+      region_rows=region_rows or data_store.region_rows, hidden_dim=hidden_dim)
+  run = functools.partial(_write_regions, data_store=data_store, model=model,
+                          projection_DxH=projection_DxH, k=k, batch_size=batch_size,
+                          chunk_size=chunk_size, vocab_size=vocab_size,
+                          desc=f"teacher {rank}/{world}", mesh=mesh)
+  if parallel.spans_processes(mesh):  # one teacher over all processes: process 0 writes
+    lead = jax.process_index() == 0
+    store = create() if lead else None
+    parallel.barrier(f"{cache_path} created")
+    store = store or create()  # the same spec: opens it
+    todo = store.missing(rank, world)
+    parallel.barrier(f"{cache_path} read")  # everyone has the same regions to do
+    if todo:
+      with store.writer_lock(rank) if lead else contextlib.nullcontext():
+        run(store, todo=todo, write=lead)
+    parallel.barrier(f"{cache_path} written")
+    return store
+  store = create()
   if not store.missing(rank, world):  # complete: a reader, which any number may be at once
     return store
   with store.writer_lock(rank):
     failpoints.hit("locked")
-    _write_regions(store, data_store, store.missing(rank, world), model, projection_DxH, k=k,
-                   batch_size=batch_size, chunk_size=chunk_size, vocab_size=vocab_size,
-                   desc=f"teacher {rank}/{world}", mesh=mesh)
+    run(store, todo=store.missing(rank, world))
   return store
 
 
-def _write_regions(store, data_store, todo, model, projection_DxH, *, k, batch_size, chunk_size,
-                   vocab_size, desc, mesh):
-  """Computes and writes the rows of `todo` [(start, stop)], region by region."""
+def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_size, chunk_size,
+                   vocab_size, desc, mesh, write=True):
+  """Computes and writes the rows of `todo` [(start, stop)], region by region (write False:
+  computes only, another process of the teacher's mesh writes)."""
   graphdef, state = nnx.split(model)
   place = lambda x: x  # host rows go to the default device
   if mesh is not None and mesh.size > 1:
@@ -173,7 +193,7 @@ def _write_regions(store, data_store, todo, model, projection_DxH, *, k, batch_s
       parts = {name: [] for name in ("topk_ids", "topk_logprobs", "hidden")
                if name in store.dtypes}
       for lo, batch_outputs in zip(range(0, stop - start, batch_size), outputs):
-        for part, x in zip(parts.values(), batch_outputs):
+        for part, x in zip(parts.values(), parallel.gather(batch_outputs[:len(parts)])):
           part.append(np.asarray(x))
         bar.update((min(lo + batch_size, stop - start) - lo) * store.seq_len)
         failpoints.hit("batch")
@@ -181,7 +201,8 @@ def _write_regions(store, data_store, todo, model, projection_DxH, *, k, batch_s
       out.update({name: np.concatenate(part)[:stop - start] for name, part in parts.items()})
       if pending is not None:
         pending.result()
-      pending = writer.submit(store.write, start, out)
+      if write:
+        pending = writer.submit(store.write, start, out)
     if pending is not None:
       pending.result()
 

@@ -9,8 +9,9 @@
 #     KDJAX_COORDINATOR=host0:12355 KDJAX_NUM_PROCESSES=4 KDJAX_PROCESS_ID=$i \
 #         bash launch/multiprocess.sh --config=...
 #
-# Stages data, pretrain, cache (each process writes its own regions), train and baseline run
-# under it; run eval and export afterwards in one process (python -m kdjax.main ...
+# Stages data, pretrain, cache (each process writes its own regions; with
+# --config.cache.teacher_devices=all one teacher over all processes, process 0 writing), train
+# and baseline run under it; run eval and export afterwards in one process (python -m kdjax.main ...
 # --config.stages="('eval', 'export')"). On SLURM use launch/slurm.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -4,8 +4,9 @@ vocabulary split over 4 devices gives the whole vocabulary's (impls "xla" and "p
 Mosaic GPU's interpreter cannot run on several CPU devices at once, so impl "pallas" under a
 split vocabulary is tested on the GPU, tests/test_attention_gpu.py); a run on a 2 x 2 x 2 mesh,
 stopped and resumed from its sharded checkpoint, trains to one device's parameters; the teacher sharded over 8 devices
-writes one device's cache; two processes (jax.distributed on
-localhost) write the same cache as one and train to one device's parameters; the mesh's checks.
+writes one device's cache; a checkpoint loads straight into its shards; two processes
+(jax.distributed on localhost) write the same cache as one, run one teacher sharded over both
+to one device's cache, and train to one device's parameters; the mesh's checks.
 
 The 8 devices need XLA_FLAGS before jax starts, so the mesh runs go through a child process
 running this file (`python tests/test_parallel.py DIR` prints its results as JSON)."""
@@ -139,7 +140,8 @@ def fit(workdir, name, steps, mesh):
 
 def write_cache(workdir: str, name: str, mesh=None) -> str:
   """A top-5 cache of 10 rows (regions of 2) by a seeded tiny teacher; this process's regions
-  (rank = process) of workdir/name; mesh: the teacher sharded over it."""
+  (rank = process) of workdir/name; mesh: the teacher sharded over it (over every process's
+  devices: all the regions, process 0 writing)."""
   data_path = os.path.join(workdir, "data")
   if jax.process_index() == 0 and not os.path.exists(data_path):
     rng = np.random.default_rng(2)
@@ -148,7 +150,8 @@ def write_cache(workdir: str, name: str, mesh=None) -> str:
     cache.create(data_path, num_seqs=10, seq_len=16, k=0, vocab_size=CFG.vocab_size,
                  attrs={"source": "test"}, region_rows=2).write(0, rows)
   parallel.barrier("data")
-  rank, world = parallel.cache_rank(0, 1)
+  # regions per process, unless one teacher spans them all (as pipeline.stage_cache)
+  rank, world = (0, 1) if parallel.spans_processes(mesh) else parallel.cache_rank(0, 1)
   teacher.write_cache(llama.Transformer(CFG, rngs=nnx.Rngs(3)), cache.open(data_path),
                       os.path.join(workdir, name), k=5, batch_size=2, chunk_size=8,
                       vocab_size=CFG.vocab_size, attrs={"teacher_hash": "tiny"}, rank=rank,
@@ -157,12 +160,34 @@ def write_cache(workdir: str, name: str, mesh=None) -> str:
   return os.path.join(workdir, name)
 
 
-def sharded_teacher_difference(workdir: str) -> dict:
-  """The cache of the teacher sharded over this process's 8 devices against one device's."""
+def cache_difference(workdir: str, name: str) -> dict:
+  """Cache `name` of workdir against the one-device teacher's (cache_one)."""
   one = cache.open(os.path.join(workdir, "cache_one")).read(slice(0, 10))
-  got = cache.open(write_cache(workdir, "cache_sharded", parallel.local_mesh())).read(slice(0, 10))
+  got = cache.open(os.path.join(workdir, name)).read(slice(0, 10))
   return {"ids": float(np.mean(one["topk_ids"] != got["topk_ids"])),
           "logprobs": float(np.abs(one["topk_logprobs"] - got["topk_logprobs"]).max())}
+
+
+def sharded_teacher_difference(workdir: str) -> dict:
+  """The cache of the teacher sharded over this process's 8 devices against one device's."""
+  write_cache(workdir, "cache_sharded", parallel.teacher_mesh("process"))
+  return cache_difference(workdir, "cache_sharded")
+
+
+def placed_load_difference(workdir: str) -> dict:
+  """A Hugging Face checkpoint loaded straight onto a 2 x 2 x 2 mesh (hf.load with `place`)
+  against one loaded onto one device: the same values, each parameter in its shards."""
+  from kdjax.models import hf
+  path = os.path.join(workdir, "hf")
+  hf.export(llama.Transformer(CFG, rngs=nnx.Rngs(5)), CFG, path)
+  mesh = mesh_of(2, 2, 2)
+  want = jax.tree.leaves(nnx.state(hf.load(path)[0]))
+  got = jax.tree.leaves(nnx.state(hf.load(path, place=lambda kd_path, x: parallel.place_param(
+      mesh, kd_path, x))[0]))
+  return {"values": max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                        for a, b in zip(got, want)),
+          "sharded": sum(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
+                         for x in got), "params": len(got)}
 
 
 def fit_differences(workdir: str) -> dict:
@@ -185,11 +210,13 @@ def two_process_difference(workdir: str) -> dict:
   parallel.initialize_distributed()
   same_cache = store_files(write_cache(workdir, "cache_two")) == store_files(
       os.path.join(workdir, "cache_one"))
+  # one teacher over both processes' devices, process 0 writing
+  write_cache(workdir, "cache_all", parallel.teacher_mesh("all"))
   got = fit(workdir, "two", 3, mesh_of(1, 2))
   with np.load(os.path.join(workdir, "one.npz")) as f:
     want = [f[f"arr_{i}"] for i in range(len(f.files))]
   return {"process": jax.process_index(), "processes": jax.process_count(),
-          "same_cache": same_cache,
+          "same_cache": same_cache, "teacher_all": cache_difference(workdir, "cache_all"),
           "params": max(float(np.abs(a - b).max()) for a, b in zip(got, want))}
 
 
@@ -209,6 +236,8 @@ def test_mesh_shapes_and_processes_match_one_device(tmp_path):
   assert out["fit"]["params"] < 1e-5, out["fit"]
   # the sharded teacher: the same top-5 (a near tie may swap) and log-probs to float32 rounding
   assert out["teacher"]["ids"] < 0.01 and out["teacher"]["logprobs"] < 1e-4, out["teacher"]
+  load = out["placed_load"]  # every parameter but the norms (1-D, no dimension named) sharded
+  assert load["values"] == 0 and load["sharded"] >= load["params"] - 5, load
 
   env = {**os.environ, parallel.ENV_COORDINATOR: f"localhost:{free_port()}",
          parallel.ENV_PROCESSES: "2"}
@@ -220,6 +249,7 @@ def test_mesh_shapes_and_processes_match_one_device(tmp_path):
     assert p.returncode == 0, stderr[-3000:]
     line = json.loads(stdout.strip().splitlines()[-1])
     assert line["processes"] == 2 and line["same_cache"] and line["params"] < 1e-5, line
+    assert line["teacher_all"]["ids"] < 0.01 and line["teacher_all"]["logprobs"] < 1e-4, line
   assert sorted(json.loads(o[0].strip().splitlines()[-1])["process"] for o in outs) == [0, 1]
 
 
@@ -272,6 +302,7 @@ if __name__ == "__main__":
     write_cache(sys.argv[2], "cache_one")
     print(json.dumps({"grad_step": grad_step_differences(), "vocab": vocab_sharded_differences(),
                       "fit": fit_differences(sys.argv[2]),
-                      "teacher": sharded_teacher_difference(sys.argv[2])}))
+                      "teacher": sharded_teacher_difference(sys.argv[2]),
+                      "placed_load": placed_load_difference(sys.argv[2])}))
   else:
     print(json.dumps(two_process_difference(sys.argv[2])))

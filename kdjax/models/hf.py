@@ -138,7 +138,8 @@ def _weight_files(path: str) -> dict[str, str]:
 
 
 def load(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
-         remat: bool = True, tokenizer_vocab: int | None = None) -> tuple[Transformer, ModelConfig]:
+         remat: bool = True, tokenizer_vocab: int | None = None,
+         place=None) -> tuple[Transformer, ModelConfig]:
   """Loads a Hugging Face checkpoint directory (a family of SUPPORTED) into a Transformer.
 
   Args:
@@ -151,6 +152,9 @@ def load(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
     remat: recompute each block in the backward pass (ModelConfig.remat).
     tokenizer_vocab: the run's tokenizer size, if known: checked against the checkpoint's
       tokenizer.json, and used as real_vocab_size when the directory has none.
+    place: None (each parameter on the default device), or place(path, host array) -> its
+      device array (e.g. sharded over a mesh, parallel.place_param): each tensor then goes from
+      the host straight to its shards, so no device ever holds more than its share.
   Returns:
     (model, cfg). Raises CheckpointError for a path that is a file or missing, unsupported
     architectures, missing or inconsistent shards, missing/unexpected tensors, wrong shapes, or
@@ -192,8 +196,9 @@ def load(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
     if tuple(sl.get_shape()) != hf_shape:
       raise CheckpointError(f"{path}: {name} has shape {tuple(sl.get_shape())}, "
                             f"config.json implies {hf_shape}.")
-    # One tensor on the host at a time; layout changes and the cast happen on the device.
-    w = jnp.asarray(f.get_tensor(name))
+    # One tensor on the host at a time; layout changes and the cast happen on the device, or
+    # with `place` on the host, each device then receiving only its shard.
+    w = f.get_tensor(name) if place else jnp.asarray(f.get_tensor(name))
     return w if packed else w.astype(target)
 
   # A bar for sharded checkpoints only, as transformers does: those are the ones that take minutes.
@@ -204,7 +209,7 @@ def load(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
       values = group.to_kdjax([read(stack, name, shape, group.packed)
                                for name, shape in group.hf])
       for (kd_path, _), value in zip(group.kd, values):
-        _param(model, kd_path).set_value(value)
+        _param(model, kd_path).set_value(place(kd_path, value) if place else value)
       bar.update()
   return model, cfg
 

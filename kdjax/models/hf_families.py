@@ -15,6 +15,7 @@ import dataclasses
 from typing import Callable, Iterator
 
 import jax.numpy as jnp
+import numpy as np
 
 from kdjax.models import moe, rope
 from kdjax.models.llama import ModelConfig
@@ -59,10 +60,15 @@ def _linear(name: str, hf_shape: tuple, path: tuple, shape: tuple) -> Group:
                lambda ws: [ws[0].reshape(hf_shape[1], hf_shape[0]).T])
 
 
+def _stack(ws: list):
+  """Stacks host arrays on the host (hf.load with `place`), device arrays on the device."""
+  return (np if isinstance(ws[0], np.ndarray) else jnp).stack(ws)
+
+
 def _stacked(names: list[str], hf_shape: tuple, path: tuple, shape: tuple) -> Group:
   """Qwen3-MoE: one nn.Linear per expert, kdjax's [X, in, out] holds them all."""
   return Group(tuple((n, hf_shape) for n in names), ((path, shape),),
-               lambda ws: [jnp.stack([w.T for w in ws])],
+               lambda ws: [_stack([w.T for w in ws])],
                lambda ws: [w.T for w in ws[0]])
 
 
