@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kdjax import cache, config, pipeline, teacher, train  # noqa: E402
+from kdjax import cache, config, parallel, pipeline, teacher, train  # noqa: E402
 from kdjax.models import attention, llama  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "e2e.jsonl")
@@ -67,6 +67,20 @@ SWEEP = {
             "--memory --mem-fraction 0.95 --set opt.state_memory=host",
     "teacher-8k": "teacher --seq-len 8192 --docs 4 --rows 64",
     "teacher-32k": "teacher --seq-len 32768 --docs 8 --rows 16",
+    # Two GPUs (sweep 8k 8k-dp2 teacher-8k-b2 teacher-8k-fsdp2 teacher-70b-8k-fsdp2 in one call:
+    # the ratios to one GPU). The same 32 rows per step as `8k`, 16 rows per GPU; the teacher
+    # sharded over both (weights over fsdp, a batch's 2 rows one per GPU) against one GPU with
+    # the same batch of 2; a Llama-3.1-70B-shaped teacher (141 GB of bf16 weights, more than one
+    # H200 holds) built sharded over both.
+    "8k-dp2": "student --config configs/8k.py --docs 4 --set mesh.data=2 --set opt.batch_size=2 "
+              "--set opt.accum_steps=16",
+    "teacher-8k-b2": "teacher --seq-len 8192 --docs 4 --rows 64 --set cache.batch_size=2",
+    "teacher-8k-fsdp2": "teacher --seq-len 8192 --docs 4 --rows 64 --set cache.batch_size=2 "
+                        "--set mesh.fsdp=2 --set opt.batch_size=2",
+    "teacher-70b-8k-fsdp2": "teacher --seq-len 8192 --docs 4 --rows 8 --set cache.batch_size=2 "
+                            "--set mesh.fsdp=2 --set opt.batch_size=2 --set teacher.d_model=8192 --set "
+                            "teacher.n_layers=80 --set teacher.n_heads=64 --set "
+                            "teacher.d_ff=28672 --mem-fraction 0.95",
     # gpt-oss (configs/gpt_oss.py): RANDOM MXFP4 teachers built on the GPU (the 120b's ~61 GB of
     # packed experts would not fit the disk beside a checkpoint), and the MoE student at 32K.
     "teacher-gpt-oss-20b-8k": "teacher --config configs/gpt_oss.py:20b --seq-len 8192 --docs 4 "
@@ -110,8 +124,24 @@ def synthetic_cache(path, rng, *, rows, seq_len, docs, vocab, k):
 
 
 def peak_gib() -> float:
-  stats = jax.devices()[0].memory_stats() or {"peak_bytes_in_use": float("nan")}  # CPU: none
-  return stats["peak_bytes_in_use"] / 2**30
+  """The largest peak of this process's devices (CPU: none, nan)."""
+  stats = [d.memory_stats() or {"peak_bytes_in_use": float("nan")} for d in jax.local_devices()]
+  return max(s["peak_bytes_in_use"] for s in stats) / 2**30
+
+
+def mesh_of(c):
+  """The config's mesh when it has several devices, else None (one device, no placement)."""
+  mesh = parallel.make_mesh(c.mesh)
+  return mesh if mesh.size > 1 else None
+
+
+def sharded_model(make, mesh):
+  """make()'s module with every parameter created in its shards (parallel.shardings_of): no
+  device ever holds a whole teacher larger than it."""
+  graphdef, abstract = nnx.split(nnx.eval_shape(make))
+  state = jax.jit(lambda: nnx.split(make())[1],
+                  out_shardings=parallel.shardings_of(mesh, abstract))()
+  return nnx.merge(graphdef, state)
 
 
 def run_student(args) -> dict:
@@ -133,9 +163,12 @@ def run_student(args) -> dict:
   loss = train.LossSettings.from_config(c.loss, hard_labels=False)
   graphdef, params = nnx.split(llama.Transformer(model_cfg, rngs=nnx.Rngs(0)))
   state, grads_sum = train.init_state(params, tx, c.opt)
+  mesh = mesh_of(c)
+  if mesh is not None:  # as train.fit places them
+    state, grads_sum = parallel.place_state(mesh, (state, grads_sum))
   loader = cache.Loader(store, rows, seed=0)
   plan = {}
-  if args.memory or not args.steps:
+  if mesh is None and (args.memory or not args.steps):
     plan = print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, c.opt)
   if not args.steps:  # the plan only
     loader.close()
@@ -147,10 +180,12 @@ def run_student(args) -> dict:
     batch = train.to_step_batch(next(loader), accum, hard_labels=False)
     t1 = time.perf_counter()
     context.append(attention.mean_context(batch["segment_ids"]))
+    max_documents = attention.documents_bound(batch["segment_ids"])
+    if mesh is not None:
+      batch = parallel.place_batch(mesh, batch)
     state, metrics, grads_sum = train.train_step(
         state, grads_sum, batch, graphdef=graphdef, tx=tx, loss=loss,
-        state_memory=c.opt.state_memory,
-        max_documents=attention.documents_bound(batch["segment_ids"]))
+        state_memory=c.opt.state_memory, max_documents=max_documents, mesh=mesh)
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - t0)
     waits.append(t1 - t0)
@@ -163,6 +198,7 @@ def run_student(args) -> dict:
   tflops = per_token * tokens / step_s / 1e12
   return {"kind": "student", "seq_len": seq_len, "accum_steps": accum,
           "batch_size": c.opt.batch_size, "docs_per_row": args.docs, "packed": args.docs > 1,
+          "devices": 1 if mesh is None else mesh.size,
           "step_s": step_s, "tokens_per_s": tokens / step_s, "model_tflops": tflops,
           "mfu": tflops * 1e12 / train.peak_flops() if train.peak_flops() else None,
           "peak_gib": peak_gib(),
@@ -198,7 +234,10 @@ def print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, o
 def run_teacher(args) -> dict:
   c = load_config(args.config, args.set)
   model_cfg = pipeline.model_config(c.teacher, c.teacher.vocab_size or 128256)
-  model = llama.Transformer(model_cfg, rngs=nnx.Rngs(0))
+  # as pipeline.stage_cache: a mesh of several devices shards the teacher over this process's
+  mesh = parallel.teacher_mesh("process") if mesh_of(c) is not None else None
+  make = lambda: llama.Transformer(model_cfg, rngs=nnx.Rngs(0))
+  model = make() if mesh is None else sharded_model(make, mesh)
   vocab, seq_len, k = model_cfg.vocab_size, args.seq_len, c.cache.k
   rng = np.random.default_rng(0)
   directory = os.path.join(args.dir, f"teacher_{seq_len}")
@@ -214,7 +253,8 @@ def run_teacher(args) -> dict:
 
   graphdef, state = nnx.split(model)
   rows = data.read(np.arange(batch_size))
-  inputs = [rows[name] for name in ("tokens", "positions", "segment_ids")]
+  inputs = [rows[name] if mesh is None else parallel.place_rows(mesh, rows[name])
+            for name in ("tokens", "positions", "segment_ids")]
   kw = dict(k=k, chunk_size=chunk, vocab_size=vocab, hidden=False,
             max_documents=attention.documents_bound(rows["segment_ids"]))
   # XLA's plan first: printed even when the step then runs out of memory
@@ -235,10 +275,12 @@ def run_teacher(args) -> dict:
 
   t0 = time.perf_counter()
   teacher.write_cache(model, data, os.path.join(directory, "cache"), k=k, batch_size=batch_size,
-                      chunk_size=chunk, vocab_size=vocab, attrs={"teacher": "random-8b"},
-                      layout=c.cache.layout)
+                      chunk_size=chunk, vocab_size=vocab, attrs={"teacher": "random"},
+                      layout=c.cache.layout, mesh=mesh)
   seconds = time.perf_counter() - t0
   return {"kind": "teacher", "seq_len": seq_len, "batch_size": batch_size,
+          "devices": 1 if mesh is None else mesh.size,
+          "params_b": llama.count_params(model) / 1e9,
           "docs_per_row": args.docs, "packed": args.docs > 1, "rows": args.rows,
           "tokens_per_s": args.rows * seq_len / seconds, "device_tokens_per_s": device_tok_s,
           "plan_gib": plan,

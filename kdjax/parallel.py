@@ -107,12 +107,24 @@ def _place(x, sharding):
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
+def sharding_of(mesh: Mesh, path: tuple, shape: tuple) -> NamedSharding:
+  """Where a parameter (or its optimizer state) lives: spec_of for its name's letters; path
+  names it (tree path entries or plain keys, its name last)."""
+  return NamedSharding(mesh, spec_of(shape, mesh.shape["fsdp"], mesh.shape["tensor"],
+                                     letters_of(path, len(shape))))
+
+
+def shardings_of(mesh: Mesh, tree):
+  """sharding_of for every array (or shape-dtype struct) of tree: e.g. jit's out_shardings to
+  create a state already sharded."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: sharding_of(mesh, path, np.shape(x)), tree)
+
+
 def place_param(mesh: Mesh, path: tuple, x):
   """One parameter (host or device array, the same on every process) where place_state puts
-  it: path names it (tree path entries or plain keys, its name last)."""
-  shape = np.shape(x)
-  spec = spec_of(shape, mesh.shape["fsdp"], mesh.shape["tensor"], letters_of(path, len(shape)))
-  return _place(x, NamedSharding(mesh, spec))
+  it."""
+  return _place(x, sharding_of(mesh, path, np.shape(x)))
 
 
 def place_state(mesh: Mesh, tree):

@@ -8,12 +8,13 @@ import pytest
 pytestmark = pytest.mark.slow  # whole runs in subprocesses: not in the fast subset
 
 
-def run(tmp_path, *args, config="configs/8k.py:smoke"):
+def run(tmp_path, *args, config="configs/8k.py:smoke", devices=1):
   out = tmp_path / "e2e.jsonl"
+  env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
+         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
   subprocess.run([sys.executable, "experiments/e2e_bench.py", *args, "--config",
                   config, "--seq-len", "128", "--docs", "3", "--json", str(out),
-                  "--dir", str(tmp_path / "work")], check=True, env={"JAX_PLATFORMS": "cpu",
-                                                                     "PATH": "/usr/bin:/bin"})
+                  "--dir", str(tmp_path / "work")], check=True, env=env)
   return json.loads(out.read_text().splitlines()[-1])
 
 
@@ -23,6 +24,17 @@ def test_student_and_teacher_modes(tmp_path):
   assert student["tokens_per_s"] > 0 and student["step_s"] > 0
   teacher = run(tmp_path, "teacher", "--rows", "2")
   assert teacher["kind"] == "teacher" and teacher["tokens_per_s"] > 0
+
+
+def test_two_device_modes(tmp_path):
+  """The two-GPU configurations' modes on 2 CPU devices: the student data-parallel, the
+  teacher built in its shards over both."""
+  student = run(tmp_path, "student", "--accum", "2", "--steps", "2", "--set", "mesh.data=2",
+                "--set", "opt.batch_size=2", devices=2)
+  assert student["devices"] == 2 and student["tokens_per_s"] > 0
+  teacher = run(tmp_path, "teacher", "--rows", "4", "--set", "mesh.fsdp=2", "--set",
+                "cache.batch_size=2", "--set", "opt.batch_size=2", devices=2)
+  assert teacher["devices"] == 2 and teacher["tokens_per_s"] > 0
 
 
 def test_gpt_oss_modes(tmp_path):
