@@ -24,7 +24,7 @@ Several processes (jax.distributed: launch/multiprocess.sh, launch/slurm.sh): th
 every process's devices and the training stages run on all of them, each process loading the
 same rows and placing its own share; the cache stage writes disjoint regions per process (rank =
 process, `cache_rank`); the data stage runs on process 0 while the others wait; eval and export
-run in one process afterwards.
+run on every process (each its own copy of the models), process 0 writing their outputs.
 
 One device is the 1 x 1 x 1 mesh (the default): arrays on that device, the loss outside
 shard_map.
@@ -175,9 +175,6 @@ def gather(tree):
     return jax.device_get(tree)
   from jax.experimental import multihost_utils
   return multihost_utils.process_allgather(tree, tiled=True)
-
-
-MULTI_PROCESS_STAGES = ("data", "pretrain", "cache", "train", "baseline")
 
 
 def cache_rank(rank: int, world: int) -> tuple[int, int]:

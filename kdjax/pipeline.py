@@ -211,6 +211,8 @@ def stage_eval(c, paths: Paths):
                                      max_seqs=c.eval.max_seqs,
                                      chunk_size=c.loss.chunk_size or None,
                                      desc=f"eval {name}") for name, m in models.items()}
+  if jax.process_index() != 0:  # several processes: each measured the same; process 0 writes
+    return results
   with open(os.path.join(c.workdir, "eval.json"), "w") as f:
     json.dump(results, f, indent=2)
   runs = {name: os.path.join(paths.run(name), "metrics.jsonl")
@@ -236,6 +238,8 @@ def stage_export(c, paths: Paths):
   cfg = model.cfg
   own = c.student.hf_path and os.path.exists(os.path.join(c.student.hf_path, "tokenizer.json"))
   tokenizer_dir = c.student.hf_path if own else paths.tokenizer_dir
+  if jax.process_index() != 0:  # several processes: process 0 writes
+    return
   hf.export(model, cfg, paths.run("export"), tokenizer_dir=tokenizer_dir)
   logging.info("exported the student to %s (transformers.AutoModelForCausalLM loads it)",
                paths.run("export"))
@@ -267,10 +271,6 @@ STAGES = {name: globals()[f"stage_{name}"] for name in config.STAGES}  # config 
 
 def run(c: ml_collections.ConfigDict):
   config.validate(c)
-  single = sorted(set(c.stages) - set(parallel.MULTI_PROCESS_STAGES))
-  if jax.process_count() > 1 and single:
-    raise ValueError(f"stages {single} run in one process: run them after this one without the "
-                     f"multi-process launcher (--config.stages=\"{tuple(single)}\").")
   lead = jax.process_index() == 0
   paths = Paths.from_config(c)
   checks.check_inputs(c, paths.tokenizer)  # the run's tokenizer, as Paths decided

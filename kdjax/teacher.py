@@ -144,9 +144,10 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
                           desc=f"teacher {rank}/{world}", mesh=mesh)
   if parallel.spans_processes(mesh):  # one teacher over all processes: process 0 writes
     lead = jax.process_index() == 0
-    store = create() if lead else None
+    if lead:
+      create()
     parallel.barrier(f"{cache_path} created")
-    store = store or create()  # the same spec: opens it
+    store = create()  # the same spec: opens it (as writers of several ranks do)
     todo = store.missing(rank, world)
     parallel.barrier(f"{cache_path} read")  # everyone has the same regions to do
     if todo:

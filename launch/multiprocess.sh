@@ -3,16 +3,15 @@
 # (--config.mesh.data / fsdp, their product the devices of all processes) spans them all.
 #
 #   On one host, N processes (e.g. one per GPU; on CPU, for trying it out):
-#     KDJAX_PROCESSES=2 bash launch/multiprocess.sh --config=configs/8k.py --config.mesh.data=2 \
-#         --config.stages="('data', 'cache', 'train')"
+#     KDJAX_PROCESSES=2 bash launch/multiprocess.sh --config=configs/8k.py --config.mesh.data=2
 #   On several hosts, this process only (run it on each host with its own id):
 #     KDJAX_COORDINATOR=host0:12355 KDJAX_NUM_PROCESSES=4 KDJAX_PROCESS_ID=$i \
 #         bash launch/multiprocess.sh --config=...
 #
 # Stages data, pretrain, cache (each process writes its own regions; with
 # --config.cache.teacher_devices=all one teacher over all processes, process 0 writing), train
-# and baseline run under it; run eval and export afterwards in one process (python -m kdjax.main ...
-# --config.stages="('eval', 'export')"). On SLURM use launch/slurm.sh.
+# and baseline run under it on all processes; eval and export too (each process measures its own
+# copy, process 0 writes). On SLURM use launch/slurm.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-.venv/bin/python}

@@ -2,11 +2,12 @@
 # A SLURM job of several processes (one per GPU), jax.distributed reading SLURM's variables:
 #
 #   sbatch --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 launch/slurm.sh \
-#       --config=configs/32k.py --config.mesh.data=2 --config.mesh.fsdp=8 \
-#       --config.stages="('cache', 'train')"
+#       --config=configs/32k.py --config.mesh.data=2 --config.mesh.fsdp=8
 #
-# The mesh's product (data x fsdp) must be the job's GPUs (nodes x tasks per node). Stages data,
-# pretrain, cache, train and baseline run under it; eval and export afterwards in one process.
+# The mesh's product (data x fsdp x tensor) must be the job's GPUs (nodes x tasks per node).
+# Every stage runs under it: the data stage on process 0, the cache stage's regions per process
+# (or one teacher over all with --config.cache.teacher_devices=all), eval and export on every
+# process with process 0 writing.
 #SBATCH --job-name=kdjax
 #SBATCH --output=kdjax-%j.out
 set -euo pipefail

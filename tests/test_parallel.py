@@ -2,11 +2,12 @@
 (data x fsdp x tensor) gives one device's loss, metrics and gradients; the loss with its
 vocabulary split over 4 devices gives the whole vocabulary's (impls "xla" and "pallas_exact":
 Mosaic GPU's interpreter cannot run on several CPU devices at once, so impl "pallas" under a
-split vocabulary is tested on the GPU, tests/test_attention_gpu.py); a run on a 2 x 2 x 2 mesh,
-stopped and resumed from its sharded checkpoint, trains to one device's parameters; the teacher sharded over 8 devices
-writes one device's cache; a checkpoint loads straight into its shards; two processes
-(jax.distributed on localhost) write the same cache as one, run one teacher sharded over both
-to one device's cache, and train to one device's parameters; the mesh's checks.
+split vocabulary is tested on the GPU, tests/test_mesh_gpu.py); a run on a 2 x 2 x 2 mesh,
+stopped and resumed from its sharded checkpoint, trains to one device's parameters; the teacher
+sharded over 8 devices writes one device's cache; a checkpoint loads straight into its shards;
+two processes (jax.distributed on localhost) write the same cache as one, run one teacher
+sharded over both to one device's cache, and train to one device's parameters; the demo's every
+stage under two processes; the mesh's checks.
 
 The 8 devices need XLA_FLAGS before jax starts, so the mesh runs go through a child process
 running this file (`python tests/test_parallel.py DIR` prints its results as JSON)."""
@@ -306,3 +307,25 @@ if __name__ == "__main__":
                       "placed_load": placed_load_difference(sys.argv[2])}))
   else:
     print(json.dumps(two_process_difference(sys.argv[2])))
+
+
+@pytest.mark.slow  # about 35 s: the demo's every stage under two processes
+def test_every_stage_under_two_processes(tmp_path):
+  """launch/multiprocess.sh runs the smoke demo's stages data -> export under two processes,
+  the student's vocabulary split over both (mesh.tensor = 2) and one teacher sharded over both:
+  one report and one export, written by process 0."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "KDJAX_PROCESSES": "2",
+         "KDJAX_PORT": str(free_port()), "PYTHON": sys.executable}
+  stages = ("data", "pretrain", "cache", "train", "eval", "export")
+  proc = subprocess.run(
+      ["bash", "launch/multiprocess.sh", "--config=configs/demo.py:smoke",
+       f"--config.workdir={tmp_path}", "--config.mesh.tensor=2",
+       "--config.cache.teacher_devices=all", f"--config.stages={stages!r}"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  done = [json.loads(line)["stage"] for line in open(tmp_path / "stages.jsonl")]
+  assert done == list(stages), done
+  results = json.load(open(tmp_path / "eval.json"))
+  assert results["student"]["kl"] < results["student_init"]["kl"], results
+  assert (tmp_path / "export" / "config.json").exists()
+  assert proc.stderr.count("distillation cut the student's KL") == 1  # one report

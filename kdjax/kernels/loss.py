@@ -123,8 +123,9 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
       is then this device's columns [i * V, (i + 1) * V) of the whole [D, V * n] head, i its
       index along the axis; topk_ids and labels stay ids of the whole vocabulary. Every device
       gets the loss over the whole vocabulary, the kernels running on its own columns (the
-      chunked impls "xla", "pallas", "pallas_exact"), and its share of the gradients: hidden's
-      whole, lm_head's own columns.
+      chunked impls "xla", "pallas", "pallas_exact"), and its share of the gradients: its
+      columns' part of hidden's (shard_map(check_vma=False) sums them, see
+      chunked.build_fused_loss) and its own columns of lm_head's.
   Returns:
     float32 scalar loss, differentiable in hidden and lm_head; (loss, aux) with return_aux.
   """
