@@ -1,4 +1,5 @@
-"""cuDNN packed attention against the einsum reference, forward and backward (GPU only).
+"""cuDNN packed attention against the einsum reference, forward and backward, also with gpt-oss's
+sinks and sliding windows (GPU only).
 
 Run on a GPU with `JAX_PLATFORMS=cuda python -m pytest tests/test_attention_gpu.py`; skipped on
 CPU. The reference runs each document alone in float32, so a 32K row needs no [T, T] scores.
@@ -77,5 +78,35 @@ def test_cudnn_packed_matches_einsum(b, t, docs, h, g, per_call, rng):
   for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
     got = np.asarray(got, np.float32)
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    print(name, err)
+    assert err < 1e-2, (name, err)  # bf16 operands
+
+
+# gpt-oss's 64 query / 8 key-value heads of 64 dims, its 128-key window; per_call as above.
+@pytest.mark.parametrize("t,docs,window,sinks,per_call", [
+    (4096, 3, 128, True, None), (4096, 3, 0, True, 2), (4096, 1, 128, True, None),
+    (4096, 4, 128, False, None)])
+def test_cudnn_sinks_and_window_match_einsum(t, docs, window, sinks, per_call, rng):
+  h, g, e = 64, 8, 64
+  seg = packed_rows(rng, 1, t, docs)
+  q, k, v, cot = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+                  for shape in ((1, t, h, e), (1, t, g, e), (1, t, g, e), (1, t, h, e)))
+  sinks_H = jnp.asarray(2 * rng.standard_normal(h), jnp.float32) if sinks else None
+  bound = attention.documents_bound(seg)
+
+  def run(fn, *args):
+    out, vjp = jax.vjp(jax.jit(fn), *args)
+    return (out, *vjp(cot.astype(out.dtype)))
+
+  got = run(lambda q_, k_, v_, s_: attention.attention_cudnn(
+      q_, k_, v_, jnp.asarray(seg), bound, per_call, s_, window), q, k, v, sinks_H)
+  f32 = lambda x: None if x is None else x.astype(jnp.float32)
+  want = run(lambda q_, k_, v_, s_: attention.attention_einsum(
+      q_, k_, v_, jnp.asarray(seg), s_, window), f32(q), f32(k), f32(v), sinks_H)
+  for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
+    if b is None:
+      continue
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    err = np.linalg.norm(a - b) / np.linalg.norm(b)
     print(name, err)
     assert err < 1e-2, (name, err)  # bf16 operands

@@ -81,9 +81,6 @@ def test_attention_sinks_and_window_match_reference(rng, window):
     plain = attention.attention(*(jnp.asarray(a) for a in (q, k, v, seg)), window=window)
     np.testing.assert_allclose(np.asarray(plain), attention_reference(q, k, v, seg, None, window),
                                rtol=1e-5, atol=1e-5)
-  with pytest.raises(ValueError, match="no attention sinks or sliding windows"):
-    attention.attention(*(jnp.asarray(a) for a in (q, k, v, seg)), impl="cudnn", max_documents=2,
-                        window=window or 4)
 
 
 def packed_rows(rng, b, t, max_docs):
@@ -118,21 +115,31 @@ def test_document_spans_give_the_document_mask(seed):
                                 np.asarray(attention.document_mask(jnp.asarray(seg))))
 
 
-def spans_attention_leaving_garbage(q, k, v, starts, lengths, scale):
-  """A stand-in for one cuDNN packed call on CPU: exact inside the given spans, NaN outside them
-  in the output and in every gradient, as cuDNN leaves memory there unwritten."""
-  t = q.shape[1]
-  inside_BxT = jnp.any(attention.spans_mask(starts, lengths, t), axis=2)
+def spans_attention_leaving_garbage(q, k, v, scale, window, lse, starts=None, lengths=None):
+  """A stand-in for one cuDNN call (attention._cudnn) on CPU: exact inside the given spans (or
+  causal over whole rows), NaN outside them in the output and in every gradient, as cuDNN leaves
+  memory there unwritten; with lse also the log-normalisers in cuDNN's layout ([B * M, H, T] by
+  document at offsets within it, NaN beyond; [B, H, T] for whole rows)."""
+  b, t = q.shape[:2]
+  whole = starts is None
+  if whole:
+    starts = jnp.asarray([[0, -1]] * b, jnp.int32)
+    lengths = jnp.full((b, 1), t, jnp.int32)
+  mask_BxTxS = attention.spans_mask(starts, lengths, t)
+  if window:
+    idx = jnp.arange(t)
+    mask_BxTxS = mask_BxTxS & (idx[:, None] - idx[None, :] < window)[None]
+  inside_BxT = jnp.any(mask_BxTxS, axis=2)
   blot = lambda x: jnp.where(inside_BxT[:, :, None, None], x, jnp.nan)
+  g = k.shape[2]
+
+  def scores(q, k):
+    s = jnp.einsum("btgre,bsge->bgrts", q.reshape(b, t, g, -1, q.shape[-1]), k) * scale
+    return jnp.where(mask_BxTxS[:, None, None], s, -jnp.inf)
 
   @jax.custom_vjp
   def call(q, k, v):
-    mask_BxTxS = attention.spans_mask(starts, lengths, t)
-    g = k.shape[2]
-    q5 = q.reshape(q.shape[0], t, g, -1, q.shape[-1])
-    s = jnp.einsum("btgre,bsge->bgrts", q5, k) * scale
-    s = jnp.where(mask_BxTxS[:, None, None], s, -jnp.inf)
-    p = jnp.nan_to_num(jax.nn.softmax(s, axis=-1))
+    p = jnp.nan_to_num(jax.nn.softmax(scores(q, k), axis=-1))
     return jnp.einsum("bgrts,bsge->btgre", p, v).reshape(q.shape)
 
   def fwd(q, k, v):
@@ -140,14 +147,27 @@ def spans_attention_leaving_garbage(q, k, v, starts, lengths, scale):
     return blot(out), vjp
 
   call.defvjp(fwd, lambda vjp, dout: tuple(blot(d) for d in vjp(dout)))
-  return call(q, k, v)
+  out = call(q, k, v)
+  if not lse:
+    return out
+  lse_BxHxT = jax.lax.stop_gradient(jax.nn.logsumexp(scores(q, k), axis=-1)).reshape(b, -1, t)
+  if whole:
+    return out, lse_BxHxT
+  m = lengths.shape[1]
+  idx_MxT = starts[:, :m, None] + jnp.arange(t)[None, None]  # [B, M, T]: positions by offset
+  valid = (jnp.arange(t)[None, None] < lengths[:, :, None]) & (starts[:, :m, None] >= 0)
+  picked = jnp.take_along_axis(lse_BxHxT[:, None], jnp.clip(idx_MxT, 0, t - 1)[:, :, None],
+                               axis=3)  # [B, M, H, T]
+  return out, jnp.where(valid[:, :, None], picked, jnp.nan).reshape(b * m, -1, t)
 
 
-@pytest.mark.parametrize("per_call", [2, 3, 8])
-def test_documents_in_several_cudnn_calls(monkeypatch, per_call):
-  """The cuDNN path's split of a row's documents over calls (its workspace bound): output and
-  gradients equal the einsum reference's, though each call leaves garbage outside its spans."""
-  monkeypatch.setattr(attention, "_cudnn_packed", spans_attention_leaving_garbage)
+@pytest.mark.parametrize("per_call,window,sinks", [(2, 0, False), (3, 0, False), (8, 0, False),
+                                                   (3, 4, True), (8, 0, True)])
+def test_documents_in_several_cudnn_calls(monkeypatch, per_call, window, sinks):
+  """The cuDNN path's split of a row's documents over calls (its workspace bound), with a
+  sliding window and sinks (from each call's log-normalisers): output and gradients equal the
+  einsum reference's, though each call leaves garbage outside its spans."""
+  monkeypatch.setattr(attention, "_cudnn", spans_attention_leaving_garbage)
   rng = np.random.default_rng(per_call)
   seg = packed_rows(rng, 3, 41, 7)
   seg[0] = 0  # a row of padding only
@@ -155,13 +175,29 @@ def test_documents_in_several_cudnn_calls(monkeypatch, per_call):
   bound = attention.documents_bound(seg)
   q, k, v, cot = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
                   for shape in ((3, 41, 4, 8), (3, 41, 2, 8), (3, 41, 2, 8), (3, 41, 4, 8)))
+  sinks_H = jnp.asarray(rng.standard_normal(4), jnp.float32) if sinks else None
   seg = jnp.asarray(seg)
   outs = [jax.vjp(lambda *x: fn(*x, seg), q, k, v) for fn in (
-      attention.attention_einsum,
-      lambda *x: attention.attention_cudnn(*x, bound, docs_per_call=per_call))]
+      lambda *x: attention.attention_einsum(*x, sinks_H, window),
+      lambda *x: attention.attention_cudnn(*x, bound, per_call, sinks_H, window))]
   (want, want_vjp), (got, got_vjp) = outs
   for a, b in zip((got, *got_vjp(cot)), (want, *want_vjp(cot))):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_one_document_rows_through_cudnn_with_sinks(monkeypatch):
+  """Rows of one document take cuDNN's whole-row causal call; sinks from its [B, H, T]
+  log-normalisers."""
+  monkeypatch.setattr(attention, "_cudnn", spans_attention_leaving_garbage)
+  rng = np.random.default_rng(0)
+  seg = np.ones((2, 19), np.int32)
+  seg[1, 15:] = 0  # padding after the document
+  q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+             for shape in ((2, 19, 4, 8), (2, 19, 2, 8), (2, 19, 2, 8)))
+  sinks_H = jnp.asarray(rng.standard_normal(4), jnp.float32)
+  got = attention.attention_cudnn(q, k, v, jnp.asarray(seg), 1, None, sinks_H, 5)
+  want = attention.attention_einsum(q, k, v, jnp.asarray(seg), sinks_H, 5)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("window,sinks,bands", [(0, False, 8), (0, True, 3), (3, True, 8),

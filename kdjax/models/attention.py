@@ -13,13 +13,14 @@ value): a query may give little weight to every key.
 Two implementations of that one function:
   * `attention_einsum`, the reference: a dense [T, S] score matrix and mask, any device, in
     blocks of queries for long rows (SCORE_BYTES of scores at a time; a sliding-window block
-    reads only the keys in its window, a causal one those up to its band's last query); the only
-    one with sinks and sliding windows.
+    reads only the keys in its window, a causal one those up to its band's last query).
   * `attention_cudnn`: cuDNN flash attention in its packed (ragged) layout on GPU. Each document
     is handed over as an offset and a length, so no [T, S] array exists in the forward or the
     backward pass and the blocks that straddle two documents are never computed. Memory is
     linear in T: documents go to cuDNN a few per call, as its workspace grows with documents x T.
-    It takes neither sinks nor sliding windows (impl "cudnn" refuses them, "auto" picks einsum).
+    Sliding windows are cuDNN's own; sinks scale cuDNN's output by sigmoid(lse - sink) from its
+    log-normaliser lse (exact: the sink is one more term of the denominator), their gradients
+    the reference's, recomputed (cuDNN's backward takes no cotangent of lse).
 """
 import functools
 import math
@@ -215,52 +216,117 @@ def _grad_where_bwd(keep_BxT, dx):
 _grad_where.defvjp(_grad_where_fwd, _grad_where_bwd)
 
 
-def _cudnn_packed(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, starts_BxM1, lengths_BxM, scale):
-  """One cuDNN call over M documents per row given as spans. It reads and writes (forward and
-  backward) only positions inside those spans; everything else is left as it was."""
+def _cudnn(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, scale, window, lse, starts_BxM1=None,
+           lengths_BxM=None):
+  """One cuDNN call: causal over the whole row, or over M documents per row given as spans
+  (then it reads and writes, forward and backward, only positions inside them; everything else
+  is left as it was); a sliding window of `window` keys (0: none). lse: also the softmax's
+  log-normaliser per query and head, [B, H, T] for a whole row, [B * M, H, T] for spans (document
+  j of row b at [b * M + j, :, t - start]). Returns out or (out, lse)."""
   # jax.nn.dot_product_attention (JAX 0.11) takes sequence lengths but not the per-document
-  # offsets of a packed row; the cuDNN wrapper underneath does. JAX is pinned, so this private
-  # import is checked by the GPU test whenever the pin moves.
+  # offsets of a packed row, nor returns the log-normaliser; the cuDNN wrapper underneath does.
+  # JAX is pinned, so this private import is checked by the GPU test whenever the pin moves.
   from jax._src.cudnn import fused_attention_stablehlo as cudnn_sdpa
-  return cudnn_sdpa.dot_product_attention(
-      q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, q_seqlen=lengths_BxM, kv_seqlen=lengths_BxM,
-      q_offsets=starts_BxM1, kv_offsets=starts_BxM1, scale=scale,
-      mask_type=cudnn_sdpa.MaskType.PADDING_CAUSAL)
+  kw = dict(scale=scale, sliding_window_length=window or None, return_residual=lse,
+            mask_type=cudnn_sdpa.MaskType.CAUSAL)
+  if starts_BxM1 is not None:
+    kw.update(q_seqlen=lengths_BxM, kv_seqlen=lengths_BxM, q_offsets=starts_BxM1,
+              kv_offsets=starts_BxM1, mask_type=cudnn_sdpa.MaskType.PADDING_CAUSAL)
+  return cudnn_sdpa.dot_product_attention(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, **kw)
 
 
-def attention_cudnn(q_BxTxHxE: jax.Array, k_BxSxGxE: jax.Array, v_BxSxGxE: jax.Array,
-                    segment_ids_BxT: jax.Array, max_documents: int,
-                    docs_per_call: int | None = None) -> jax.Array:
-  """cuDNN flash attention, documents passed as offsets and lengths (GPU, bf16/fp16).
+def _lse_at_positions(lse_BMxHxT, starts_BxM, doc_BxT):
+  """A packed call's log-normalisers [B * M, H, T] (by document, at offsets within it) as
+  [B, T, H] at each position of document doc_BxT (its index among the call's M; others: any)."""
+  b, m = starts_BxM.shape
+  t = doc_BxT.shape[1]
+  lse_BxMxHxT = lse_BMxHxT.reshape(b, m, -1, t)
+  doc_BxT = jnp.clip(doc_BxT, 0, m - 1)
+  start_BxT = jnp.take_along_axis(starts_BxM, doc_BxT, axis=1)
+  local_BxT = jnp.clip(jnp.arange(t)[None] - start_BxT, 0, t - 1)
+  return lse_BxMxHxT[jnp.arange(b)[:, None], doc_BxT, :, local_BxT]
 
-  The M documents of a row go to cuDNN in calls of docs_per_call (default documents_per_call)
-  each; a call's output and gradients count only at its own documents' positions.
-  """
+
+def _cudnn_rows(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, max_documents: int,
+                docs_per_call: int | None, window: int, lse: bool):
+  """attention_cudnn without sinks: (out [B, T, H, E], log-normalisers [B, T, H] or None)."""
   b, t, _, e = q_BxTxHxE.shape
   scale = 1.0 / math.sqrt(e)
   real_BxT = segment_ids_BxT != 0
   if max_documents == 1:
     # One document per row: plain causal attention; padding sits after it, so no real query
     # reaches a padding key.
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn_sdpa
-    out_BxTxHxE = cudnn_sdpa.dot_product_attention(
-        q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, scale=scale, mask_type=cudnn_sdpa.MaskType.CAUSAL)
-    return jnp.where(real_BxT[:, :, None, None], out_BxTxHxE, 0).astype(q_BxTxHxE.dtype)
+    out = _cudnn(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, scale, window, lse)
+    out_BxTxHxE, lse_BxTxH = (out[0], out[1].swapaxes(1, 2)) if lse else (out, None)
+    return jnp.where(real_BxT[:, :, None, None], out_BxTxHxE, 0).astype(q_BxTxHxE.dtype), lse_BxTxH
 
   m = docs_per_call or documents_per_call(b, t, max_documents)
   starts_BxM1, lengths_BxM = document_spans(segment_ids_BxT, max_documents)
   call_BxT = (segment_ids_BxT - 1) // m  # padding (segment 0): -1, in no call
   out_BxTxHxE = jnp.zeros_like(q_BxTxHxE)
+  lse_BxTxH = jnp.zeros((b, t, q_BxTxHxE.shape[2]), jnp.float32) if lse else None
   for i in range(-(-max_documents // m)):
     mine_BxT = call_BxT == i
     # cuDNN leaves the gradients outside the call's documents unwritten: they are dropped.
     q_i, k_i, v_i = (_grad_where(x, mine_BxT) for x in (q_BxTxHxE, k_BxSxGxE, v_BxSxGxE))
-    call_starts_BxM1 = jnp.concatenate([starts_BxM1[:, :-1][:, i * m:(i + 1) * m],
-                                        jnp.full((b, 1), -1, jnp.int32)], axis=1)
-    out_i = _cudnn_packed(q_i, k_i, v_i, call_starts_BxM1, lengths_BxM[:, i * m:(i + 1) * m],
-                          scale)
+    call_starts_BxM = starts_BxM1[:, :-1][:, i * m:(i + 1) * m]
+    call_starts_BxM1 = jnp.concatenate([call_starts_BxM, jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    out = _cudnn(q_i, k_i, v_i, scale, window, lse, call_starts_BxM1,
+                 lengths_BxM[:, i * m:(i + 1) * m])
+    out_i = out[0] if lse else out
     out_BxTxHxE = jnp.where(mine_BxT[:, :, None, None], out_i, out_BxTxHxE)
-  return out_BxTxHxE.astype(q_BxTxHxE.dtype)
+    if lse:
+      lse_i = _lse_at_positions(out[1], call_starts_BxM, segment_ids_BxT - 1 - i * m)
+      lse_BxTxH = jnp.where(mine_BxT[:, :, None], lse_i, lse_BxTxH)
+  return out_BxTxHxE.astype(q_BxTxHxE.dtype), lse_BxTxH
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _cudnn_sinks(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, sinks_H, max_documents,
+                 docs_per_call, window):
+  """Attention with sinks from cuDNN's: a sink adds exp(s_h) to the softmax's denominator, so
+  out = cuDNN's out * sigmoid(lse - s_h), lse its log-normaliser. Gradients: the einsum
+  reference's (cuDNN's backward takes no cotangent of lse), recomputed in the backward pass."""
+  out_BxTxHxE, lse_BxTxH = _cudnn_rows(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT,
+                                       max_documents, docs_per_call, window, lse=True)
+  keep_BxTxH = jax.nn.sigmoid(lse_BxTxH - sinks_H.astype(jnp.float32)[None, None])
+  return (out_BxTxHxE.astype(jnp.float32) * keep_BxTxH[..., None]).astype(q_BxTxHxE.dtype)
+
+
+def _cudnn_sinks_fwd(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, sinks_H, max_documents,
+                     docs_per_call, window):
+  out = _cudnn_sinks(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, sinks_H, max_documents,
+                     docs_per_call, window)
+  return out, (q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, sinks_H)
+
+
+def _cudnn_sinks_bwd(max_documents, docs_per_call, window, residuals, d_out):
+  q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, sinks_H = residuals
+  _, vjp = jax.vjp(lambda q, k, v, sinks: attention_einsum(q, k, v, segment_ids_BxT, sinks,
+                                                           window),
+                   q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, sinks_H)
+  dq, dk, dv, dsinks = vjp(d_out)
+  return dq, dk, dv, None, dsinks
+
+
+_cudnn_sinks.defvjp(_cudnn_sinks_fwd, _cudnn_sinks_bwd)
+
+
+def attention_cudnn(q_BxTxHxE: jax.Array, k_BxSxGxE: jax.Array, v_BxSxGxE: jax.Array,
+                    segment_ids_BxT: jax.Array, max_documents: int,
+                    docs_per_call: int | None = None, sinks_H: jax.Array | None = None,
+                    window: int = 0) -> jax.Array:
+  """cuDNN flash attention, documents passed as offsets and lengths (GPU, bf16/fp16).
+
+  The M documents of a row go to cuDNN in calls of docs_per_call (default documents_per_call)
+  each; a call's output and gradients count only at its own documents' positions. window: cuDNN's
+  sliding window; sinks_H: from the call's log-normalisers (_cudnn_sinks).
+  """
+  if sinks_H is not None:
+    return _cudnn_sinks(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, sinks_H,
+                        max_documents, docs_per_call, window)
+  return _cudnn_rows(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, max_documents,
+                     docs_per_call, window, lse=False)[0]
 
 
 def cudnn_applies(q_BxTxHxE: jax.Array) -> bool:
@@ -280,17 +346,14 @@ def attention(q_BxTxHxE: jax.Array, k_BxSxGxE: jax.Array, v_BxSxGxE: jax.Array,
   max_documents: M, a static bound on the segment ids of every row (documents_bound of the host
   batch); the cudnn path needs it, the reference ignores it.
   sinks_H: per-head sink logits (gpt-oss), or None. window: a static sliding window in keys
-  (0: none). Only the einsum path has either: "cudnn" raises ValueError, "auto" picks einsum.
+  (0: none).
   """
-  extras = sinks_H is not None or window > 0
   if impl == "auto":
-    impl = "cudnn" if cudnn_applies(q_BxTxHxE) and not extras else "einsum"
+    impl = "cudnn" if cudnn_applies(q_BxTxHxE) else "einsum"
   if impl == "einsum":
     return attention_einsum(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, sinks_H, window)
-  if extras:
-    raise ValueError("attention_impl 'cudnn' has no attention sinks or sliding windows (gpt-oss "
-                     "needs both); set attention_impl to 'einsum' or 'auto'.")
   if max_documents is None:
     raise ValueError("cuDNN attention needs max_documents, a bound on the documents per row: "
                      "pass attention.documents_bound(segment_ids) of the host batch.")
-  return attention_cudnn(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, max_documents)
+  return attention_cudnn(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, max_documents,
+                         sinks_H=sinks_H, window=window)
