@@ -280,7 +280,6 @@ def run_teacher(args) -> dict:
   seconds = time.perf_counter() - t0
   return {"kind": "teacher", "seq_len": seq_len, "batch_size": batch_size,
           "devices": 1 if mesh is None else mesh.size,
-          "params_b": llama.count_params(model) / 1e9,
           "docs_per_row": args.docs, "packed": args.docs > 1, "rows": args.rows,
           "tokens_per_s": args.rows * seq_len / seconds, "device_tokens_per_s": device_tok_s,
           "plan_gib": plan,
