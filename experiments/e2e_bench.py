@@ -78,9 +78,9 @@ SWEEP = {
     "teacher-8k-fsdp2": "teacher --seq-len 8192 --docs 4 --rows 64 --set cache.batch_size=2 "
                         "--set mesh.fsdp=2 --set opt.batch_size=2",
     "teacher-70b-8k-fsdp2": "teacher --seq-len 8192 --docs 4 --rows 8 --set cache.batch_size=2 "
-                            "--set mesh.fsdp=2 --set opt.batch_size=2 --set teacher.d_model=8192 --set "
-                            "teacher.n_layers=80 --set teacher.n_heads=64 --set "
-                            "teacher.d_ff=28672 --mem-fraction 0.95",
+                            "--set mesh.fsdp=2 --set opt.batch_size=2 --set teacher.d_model=8192 "
+                            "--set teacher.n_layers=80 --set teacher.n_heads=64 "
+                            "--set teacher.d_ff=28672 --mem-fraction 0.95",
     # gpt-oss (configs/gpt_oss.py): RANDOM MXFP4 teachers built on the GPU (the 120b's ~61 GB of
     # packed experts would not fit the disk beside a checkpoint), and the MoE student at 32K.
     "teacher-gpt-oss-20b-8k": "teacher --config configs/gpt_oss.py:20b --seq-len 8192 --docs 4 "

@@ -52,8 +52,8 @@ def make_mesh(g, devices=None) -> Mesh:
     most = "exactly" if jax.process_count() > 1 else "at most"
     raise ValueError(f"mesh data x fsdp x tensor = {' x '.join(map(str, shape))} = {size} "
                      f"devices, but this run has {len(devices)} ({jax.process_count()} "
-                     f"processes): set mesh.data, mesh.fsdp and mesh.tensor so their product is {most} "
-                     f"{len(devices)}.")
+                     f"processes): set mesh.data, mesh.fsdp and mesh.tensor so their product "
+                     f"is {most} {len(devices)}.")
   return Mesh(np.asarray(devices[:size]).reshape(shape), AXES)
 
 
