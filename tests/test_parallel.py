@@ -11,6 +11,7 @@ stage under two processes; the mesh's checks.
 
 The 8 devices need XLA_FLAGS before jax starts, so the mesh runs go through a child process
 running this file (`python tests/test_parallel.py DIR` prints its results as JSON)."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -176,19 +177,31 @@ def sharded_teacher_difference(workdir: str) -> dict:
 
 
 def placed_load_difference(workdir: str) -> dict:
-  """A Hugging Face checkpoint loaded straight onto a 2 x 2 x 2 mesh (hf.load with `place`)
-  against one loaded onto one device: the same values, each parameter in its shards."""
+  """Hugging Face checkpoints loaded straight onto a 2 x 2 x 2 mesh (hf.load with `place`)
+  against the same loaded onto one device: the same values, each parameter in its shards; for a
+  gpt-oss checkpoint (MXFP4 experts kept packed, sinks, a window) also the same hidden states."""
   from kdjax.models import hf
-  path = os.path.join(workdir, "hf")
-  hf.export(llama.Transformer(CFG, rngs=nnx.Rngs(5)), CFG, path)
   mesh = mesh_of(2, 2, 2)
-  want = jax.tree.leaves(nnx.state(hf.load(path)[0]))
-  got = jax.tree.leaves(nnx.state(hf.load(path, place=lambda kd_path, x: parallel.place_param(
-      mesh, kd_path, x))[0]))
-  return {"values": max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
-                        for a, b in zip(got, want)),
-          "sharded": sum(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
-                         for x in got), "params": len(got)}
+  place = lambda kd_path, x: parallel.place_param(mesh, kd_path, x)
+  gpt_oss = dataclasses.replace(
+      CFG, d_model=64, d_ff=32, head_dim=16, n_experts=8, experts_per_token=4, expert_bias=True,
+      swiglu_limit=7.0, attention_bias=True, attention_sinks=True, sliding_window=4,
+      expert_weights="mxfp4")
+  out = {}
+  for name, cfg in (("llama", CFG), ("gpt_oss", gpt_oss)):
+    path = os.path.join(workdir, f"hf_{name}")
+    hf.export(llama.Transformer(cfg, rngs=nnx.Rngs(5)), cfg, path)
+    want, got = hf.load(path)[0], hf.load(path, place=place)[0]
+    leaves = [jax.tree.leaves(nnx.state(m)) for m in (got, want)]
+    rows = random_rows(np.random.default_rng(4), 2)
+    hidden = [np.asarray(jax.jit(lambda m: m(rows["tokens"], rows["positions"],
+                                             rows["segment_ids"], 1))(m)) for m in (got, want)]
+    out[name] = {"values": max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                               for a, b in zip(*leaves)),
+                 "hidden": float(np.abs(hidden[0] - hidden[1]).max()),
+                 "sharded": sum(not x.sharding.is_fully_replicated for x in leaves[0]),
+                 "params": len(leaves[0])}
+  return out
 
 
 def fit_differences(workdir: str) -> dict:
@@ -237,8 +250,9 @@ def test_mesh_shapes_and_processes_match_one_device(tmp_path):
   assert out["fit"]["params"] < 1e-5, out["fit"]
   # the sharded teacher: the same top-5 (a near tie may swap) and log-probs to float32 rounding
   assert out["teacher"]["ids"] < 0.01 and out["teacher"]["logprobs"] < 1e-4, out["teacher"]
-  load = out["placed_load"]  # every parameter but the norms (1-D, no dimension named) sharded
-  assert load["values"] == 0 and load["sharded"] >= load["params"] - 5, load
+  for name, load in out["placed_load"].items():  # the same values; most parameters sharded
+    assert load["values"] == 0 and load["hidden"] < 1e-5, (name, load)
+    assert load["sharded"] >= load["params"] // 2, (name, load)
 
   env = {**os.environ, parallel.ENV_COORDINATOR: f"localhost:{free_port()}",
          parallel.ENV_PROCESSES: "2"}
