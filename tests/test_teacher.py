@@ -1,9 +1,11 @@
 """Teacher cache writing: top-k against a dense float64 reference, crash and resume, checks."""
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from kdjax import cache
+from kdjax import cache, teacher
 from kdjax.models import llama
 
 V, T, D, K = 61, 12, 16, 7  # V, T, K: conftest's make_data and write; D: make_teacher's width
@@ -77,3 +79,16 @@ def test_resume_with_another_k_is_refused(tmp_path, make_data, write):
   write(make_teacher(), data, tmp_path / "cache")
   with pytest.raises(cache.CacheError, match="different spec"):
     write(make_teacher(), data, tmp_path / "cache", k=K - 1)
+
+
+@pytest.mark.parametrize("rows,vocab,k", [(37, 12571, 100), (3, 201088, 100), (8, 12345, 7),
+                                          (4, 300, 100)])
+def test_exact_top_k_equals_top_k(rows, vocab, k, rng):
+  """The two-stage top-k against jax.lax.top_k: the same values and ids (random logits, no ties),
+  V not a multiple of the block; also with the largest entries crowded into a few blocks."""
+  x = rng.standard_normal((rows, vocab)).astype(np.float32)
+  x[0, 1000:1000 + 2 * k] += 10.0  # the top k of row 0 in adjacent columns
+  want = jax.lax.top_k(jnp.asarray(x), k)
+  got = teacher.exact_top_k(jnp.asarray(x), k)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
