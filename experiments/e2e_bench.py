@@ -132,7 +132,7 @@ def peak_gib() -> float:
 def mesh_of(c):
   """The config's mesh when it has several devices, else None (one device, no placement)."""
   mesh = parallel.make_mesh(c.mesh)
-  return mesh if mesh.size > 1 else None
+  return mesh if parallel.several(mesh) else None
 
 
 def sharded_model(make, mesh):

@@ -57,6 +57,12 @@ def make_mesh(g, devices=None) -> Mesh:
   return Mesh(np.asarray(devices[:size]).reshape(shape), AXES)
 
 
+def several(mesh: Mesh | None) -> bool:
+  """Whether mesh spans several devices: arrays are placed on it and the loss runs under
+  shard_map. None and a mesh of one device are one device: arrays stay where they are."""
+  return mesh is not None and mesh.size > 1
+
+
 def data_shards(mesh: Mesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"]
 
@@ -214,7 +220,7 @@ def sharded_loss(loss_fn, mesh: Mesh | None, hidden_BxTxD, lm_head_DxV, batch: d
   gathered whole, or with mesh.tensor > 1 its vocabulary split over "tensor": loss_fn then gets
   vocab_axis="tensor", see kernels.topk_kl_loss), each mean weighted by its device's count of
   batch["loss_mask"]."""
-  if mesh is None or mesh.size == 1:
+  if not several(mesh):
     return loss_fn(hidden_BxTxD, lm_head_DxV, batch, vocab_axis=None)
   tensor = mesh.shape["tensor"]
   if lm_head_DxV.shape[1] % tensor:

@@ -74,8 +74,7 @@ def new_model(group, vocab_size: int, seed: int,
   if group.hf_path:
     from kdjax.models import hf  # imported lazily: only runs with checkpoints need safetensors
     start = time.perf_counter()
-    place = (functools.partial(parallel.place_param, mesh)
-             if mesh is not None and mesh.size > 1 else None)
+    place = functools.partial(parallel.place_param, mesh) if parallel.several(mesh) else None
     model, cfg = hf.load(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
                          remat=group.remat, place=place)
     logging.info("loaded %s in %.1f s", group.hf_path, time.perf_counter() - start)

@@ -197,7 +197,7 @@ def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_s
   computes only, another process of the teacher's mesh writes)."""
   graphdef, state = nnx.split(model)
   place = lambda x: x  # host rows go to the default device
-  if mesh is not None and mesh.size > 1:
+  if parallel.several(mesh):
     state = parallel.place_state(mesh, state)
     place = functools.partial(parallel.place_rows, mesh)
   step = functools.partial(_teacher_step, graphdef, state, projection_DxH, k=k,

@@ -357,7 +357,7 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
   loss = LossSettings.from_config(loss_cfg, hard_labels)
   graphdef, params = nnx.split(model)
   state, grads_sum = init_state(params, tx, opt, _hidden_projection(loss, model_cfg, store, seed))
-  if mesh is not None and mesh.size > 1:
+  if parallel.several(mesh):
     if opt.state_memory == "host" or loss.objective == "online":
       raise ValueError("several devices (mesh) take opt.state_memory='device' and an offline "
                        f"objective; got {opt.state_memory!r}, {loss.objective!r}.")
