@@ -95,6 +95,9 @@ def base() -> ml_collections.ConfigDict:
   c.cache.layout = "float32"  # "float32" or "compact" (quantised log-probs, small ids)
   c.cache.batch_size = 8  # sequences per teacher forward pass
   c.cache.chunk_size = 128  # positions per teacher lm_head chunk (bounds [B, C, V] logits)
+  # Threads encoding, compressing and writing finished regions while the teacher computes the
+  # next ones (0: min(8, CPU cores)); each holds one region (~256K positions) in host memory.
+  c.cache.writers = 0
   c.cache.rank = 0  # this writer's index: several processes/hosts write disjoint regions
   c.cache.world = 1  # number of writers (rank r writes regions r, r + world, ...)
   # With a mesh of several devices the teacher is sharded over "process": each process's own
@@ -194,6 +197,8 @@ def validate(c: ml_collections.ConfigDict):
            f"cache.layout must be one of {LAYOUTS}, got {c.cache.layout!r}")
   for f in ("batch_size", "chunk_size", "world"):
     _require(c.cache[f] > 0, f"cache.{f} must be > 0, got {c.cache[f]}")
+  _require(c.cache.writers >= 0,
+           f"cache.writers must be >= 0 (0: min(8, cores)), got {c.cache.writers}")
   _require(0 <= c.cache.rank < c.cache.world,
            f"cache.rank must be in [0, cache.world = {c.cache.world}), got {c.cache.rank}")
   _require(c.cache.teacher_devices in TEACHER_DEVICES,

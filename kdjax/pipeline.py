@@ -158,12 +158,29 @@ def stage_cache(c, paths: Paths):
   rank, world = ((c.cache.rank, c.cache.world) if parallel.spans_processes(mesh)
                  else parallel.cache_rank(c.cache.rank, c.cache.world))
   for split in ("train", "eval"):
+    split_hidden = hidden_dim if split == "train" else 0
+    if _holds_top_k(paths.cache(split), c.cache.k, attrs["teacher_hash"], split_hidden):
+      continue
     teacher.write_cache(model, cache.open(paths.data(split)), paths.cache(split), k=c.cache.k,
                         batch_size=c.cache.batch_size, chunk_size=c.cache.chunk_size,
                         vocab_size=model.lm_head_DxV().shape[1], attrs=attrs,
                         layout=c.cache.layout, rank=rank, world=world,
-                        hidden_dim=hidden_dim if split == "train" else 0, mesh=mesh)
+                        hidden_dim=split_hidden, mesh=mesh, writers=c.cache.writers)
     parallel.barrier(f"cache {split}")  # every region written before anyone reads the split
+
+
+def _holds_top_k(path: str, k: int, teacher_hash: str, hidden_dim: int) -> bool:
+  """Whether a complete cache at `path` from this teacher holds more than k entries per position
+  (it serves k, cache.open reads its first k): no need to write one of k."""
+  try:
+    store = cache.open(path, k=k)
+  except cache.CacheError:
+    return False  # none, incomplete or otherwise unfit: write_cache resumes it or says why
+  if store.k > k and store.attrs.get("teacher_hash") == teacher_hash and (
+      store.hidden_dim == hidden_dim or not hidden_dim):
+    logging.info("cache: %s holds this teacher's top %d; read as its top %d", path, store.k, k)
+    return True
+  return False
 
 
 def student_tokenizer_hash(c, paths: Paths) -> str:

@@ -15,6 +15,7 @@ killed run, started again, continues with the first unfinished region; ranks of 
 take disjoint regions, and a second writer of a rank already running is refused (its lock file); a
 rank with nothing left to write returns at once, without the lock.
 """
+import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -117,7 +118,8 @@ def _teacher_step(graphdef, state, projection_DxH, tokens_BxT, positions_BxT, se
 
 
 def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, vocab_size, attrs,
-                layout="float32", rank=0, world=1, region_rows=None, hidden_dim=0, mesh=None):
+                layout="float32", rank=0, world=1, region_rows=None, hidden_dim=0, mesh=None,
+                writers=0):
   """Writes (or resumes) the teacher cache of `data_store` at `cache_path`; returns the store.
 
   Args:
@@ -135,6 +137,8 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
     region_rows: rows per region; default the data store's.
     hidden_dim: 0, or also cache the final hidden states: H = the teacher's width D whole, else a
       fixed random projection to H columns (its seed in the cache's attributes).
+    writers: threads encoding and writing finished regions while the device computes the next
+      (0: min(8, CPU cores)).
     mesh: devices to shard the teacher over (kdjax/parallel.py: weights over fsdp, a batch's
       rows over the devices when they divide it), or None for one device. A mesh over several
       processes' devices (parallel.teacher_mesh("all")): every process calls this together and
@@ -168,7 +172,7 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
   run = functools.partial(_write_regions, data_store=data_store, model=model,
                           projection_DxH=projection_DxH, k=k, batch_size=batch_size,
                           chunk_size=chunk_size, vocab_size=vocab_size,
-                          desc=f"teacher {rank}/{world}", mesh=mesh)
+                          desc=f"teacher {rank}/{world}", mesh=mesh, writers=writers)
   if parallel.spans_processes(mesh):  # one teacher over all processes: process 0 writes
     lead = jax.process_index() == 0
     if lead:
@@ -192,9 +196,10 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
 
 
 def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_size, chunk_size,
-                   vocab_size, desc, mesh, write=True):
+                   vocab_size, desc, mesh, writers=0, write=True):
   """Computes and writes the rows of `todo` [(start, stop)], region by region (write False:
-  computes only, another process of the teacher's mesh writes)."""
+  computes only, another process of the teacher's mesh writes); writers: threads writing
+  regions (0: min(8, cores))."""
   graphdef, state = nnx.split(model)
   place = lambda x: x  # host rows go to the default device
   if parallel.several(mesh):
@@ -204,12 +209,14 @@ def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_s
                            chunk_size=chunk_size, vocab_size=vocab_size,
                            hidden=store.hidden_dim > 0)
   total = sum(stop - start for start, stop in todo) * store.seq_len
-  # One writer thread: region r is encoded and written while the device computes region r + 1.
-  # A region is recorded complete only after its write, so a crash anywhere loses at most the
-  # regions in flight.
+  # Writer threads: regions are encoded, compressed and written (numpy and tensorstore release
+  # the GIL) while the device computes the next ones; at most `writers` regions wait, which bounds
+  # host memory. Regions are disjoint files and each is recorded complete only after its own
+  # write, so a crash anywhere loses at most the regions in flight.
+  writers = writers or min(8, os.cpu_count() or 1)
   with (tqdm(total=total, unit="tok", unit_scale=True, desc=desc) as bar,
-        concurrent.futures.ThreadPoolExecutor(1) as writer):
-    pending = None
+        concurrent.futures.ThreadPoolExecutor(writers, thread_name_prefix="cache-writer") as pool):
+    pending = collections.deque()
     for start, stop in todo:
       rows = data_store.read(slice(start, stop))
       # documents_bound of the whole region: one compiled step per region at most (usually one).
@@ -227,12 +234,12 @@ def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_s
         failpoints.hit("batch")
       out = {name: rows[name] for name in _TOKEN_ARRAYS}
       out.update({name: np.concatenate(part)[:stop - start] for name, part in parts.items()})
-      if pending is not None:
-        pending.result()
+      while len(pending) >= writers:
+        pending.popleft().result()
       if write:
-        pending = writer.submit(store.write, start, out)
-    if pending is not None:
-      pending.result()
+        pending.append(pool.submit(store.write, start, out))
+    while pending:
+      pending.popleft().result()
 
 
 def _pad_rows(x, rows):

@@ -76,12 +76,29 @@ def test_resume_with_another_spec_is_refused(tmp_path, new_store):
 
 
 @pytest.mark.parametrize("expect, match", [
-    ({"vocab_size": V + 1}, "vocab_size"), ({"k": K + 1}, "k="), ({"seq_len": T * 2}, "seq_len"),
+    ({"vocab_size": V + 1}, "vocab_size"), ({"k": K + 1}, "cache.k to at most"),
+    ({"k": 0}, "cache.k to at most"), ({"seq_len": T * 2}, "seq_len"),
     ({"tokenizer_hash": "other"}, "tokenizer_hash")])
 def test_open_checks_what_the_caller_expects(tmp_path, expect, match, make_rows, new_store):
   new_store(tmp_path / "s").write(0, make_rows(np.random.default_rng(4), 10))
   with pytest.raises(cache.CacheError, match=match):
     cache.open(tmp_path / "s", **expect)
+
+
+@pytest.mark.parametrize("layout_name", ["float32", "compact"])
+def test_a_larger_cache_reads_as_its_top_k(tmp_path, layout_name, make_rows, new_store):
+  rows = make_rows(np.random.default_rng(14), 10)
+  if layout_name == "float32":  # entries written in another order are still read as the top k
+    rows["topk_ids"], rows["topk_logprobs"] = rows["topk_ids"][..., ::-1], rows["topk_logprobs"][
+        ..., ::-1]
+  new_store(tmp_path / "s", layout_name=layout_name).write(0, rows)
+  full = cache.open(tmp_path / "s").read(slice(0, 10))
+  order = np.argsort(-full["topk_logprobs"], axis=-1, kind="stable")[..., :2]
+  store = cache.open(tmp_path / "s", k=2)
+  assert (store.k, store.read_k) == (K, 2)
+  got = next(iter(cache.Loader(store, batch_size=10, seed=0, shuffle=False)))
+  for name in ("topk_ids", "topk_logprobs"):
+    np.testing.assert_array_equal(got[name], np.take_along_axis(full[name], order, -1))
 
 
 @pytest.mark.parametrize("name, value, match", [

@@ -68,6 +68,30 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path, monkeypatch,
   assert store_files(tmp_path / "resumed") == store_files(tmp_path / "whole")
 
 
+@pytest.mark.parametrize("layout_name", ["float32", "compact"])
+def test_parallel_writers_write_the_same_bytes_and_resume(tmp_path, monkeypatch, make_data,
+                                                          store_files, write, layout_name):
+  model = make_teacher()
+  data = make_data(tmp_path / "data")
+  write(model, data, tmp_path / "one", layout=layout_name)
+  write(model, data, tmp_path / "three", layout=layout_name, writers=3)
+  assert store_files(tmp_path / "three") == store_files(tmp_path / "one")
+  real_write = cache.Store.write
+
+  def crashing_write(self, start, batch):
+    if start >= data.region_rows:  # every region but the first fails
+      raise KeyboardInterrupt("killed")
+    real_write(self, start, batch)
+
+  monkeypatch.setattr(cache.Store, "write", crashing_write)
+  with pytest.raises(KeyboardInterrupt):
+    write(model, data, tmp_path / "resumed", layout=layout_name, writers=3)
+  monkeypatch.setattr(cache.Store, "write", real_write)
+  assert cache.open(tmp_path / "resumed", allow_partial=True).missing_regions() == [1, 2, 3]
+  write(model, data, tmp_path / "resumed", layout=layout_name, writers=3)
+  assert store_files(tmp_path / "resumed") == store_files(tmp_path / "one")
+
+
 def test_lm_head_narrower_than_vocab_is_refused(tmp_path, make_data, write):
   data = make_data(tmp_path / "data")
   with pytest.raises(cache.CacheError, match="fewer than the vocabulary"):

@@ -88,22 +88,37 @@ def encode_topk(ids_SxTxK, logprobs_SxTxK, dtypes, scale=LOGPROB_SCALE):
   ids = ids_SxTxK.astype(dtypes["topk_ids"])
   if dtypes["topk_logprobs"] == "float32":
     return ids, logprobs_SxTxK.astype(np.float32)
-  # Sort by descending probability so gaps are non-negative; ties and order of the caller's
-  # entries are kept (stable sort), so an already sorted lax.top_k output is unchanged.
-  order = np.argsort(-logprobs_SxTxK, axis=-1, kind="stable")
-  ids = np.take_along_axis(ids, order, axis=-1)
-  neg = -np.take_along_axis(logprobs_SxTxK.astype(np.float64), order, axis=-1)
-  steps = np.rint(neg / scale).astype(np.int64)
-  steps = np.minimum(np.maximum.accumulate(steps, axis=-1), MAX_GAP)
+  # Gaps are non-negative when entries run by descending probability: lax.top_k's output does
+  # (checked, one pass); any other order is sorted first, stably, so ties keep the caller's order.
+  if np.any(logprobs_SxTxK[..., 1:] > logprobs_SxTxK[..., :-1]):
+    order = np.argsort(-logprobs_SxTxK, axis=-1, kind="stable")
+    ids = np.take_along_axis(ids, order, axis=-1)
+    logprobs_SxTxK = np.take_along_axis(logprobs_SxTxK, order, axis=-1)
+  # Clipped before the cast (far tails cannot overflow); rounding is monotone, so sorted entries
+  # give non-decreasing steps.
+  neg = logprobs_SxTxK.astype(np.float64)
+  neg *= -1 / scale
+  steps = np.minimum(np.rint(neg, out=neg), MAX_GAP).astype(np.int32)
   gaps = np.diff(steps, axis=-1, prepend=0)
   return ids, gaps.astype(np.uint16)
 
 
-def decode_topk(ids_SxTxK, stored_SxTxK, dtypes, scale=LOGPROB_SCALE):
-  """Stored top-k arrays -> int32 ids, float32 log-probs."""
-  ids = ids_SxTxK.astype(np.int32)
+def decode_topk(ids_SxTxK, stored_SxTxK, dtypes, scale=LOGPROB_SCALE, k=None):
+  """Stored top-k arrays -> int32 ids, float32 log-probs; k: only the k most probable entries."""
+  k = k or ids_SxTxK.shape[-1]
   if dtypes["topk_logprobs"] == "float32":
-    return ids, stored_SxTxK
+    if k < ids_SxTxK.shape[-1]:
+      # The teacher writes entries by descending probability; a store written otherwise is
+      # sorted first (stable), so the first k are its top k either way.
+      if np.any(np.diff(stored_SxTxK, axis=-1) > 0):
+        order = np.argsort(-stored_SxTxK, axis=-1, kind="stable")[..., :k]
+        return (np.take_along_axis(ids_SxTxK, order, -1).astype(np.int32),
+                np.take_along_axis(stored_SxTxK, order, -1))
+      ids_SxTxK, stored_SxTxK = ids_SxTxK[..., :k], stored_SxTxK[..., :k]
+    return ids_SxTxK.astype(np.int32), np.ascontiguousarray(stored_SxTxK)
+  # Compact entries are sorted by descending probability (encode_topk): the first k are the top k.
+  ids = ids_SxTxK[..., :k].astype(np.int32)
+  stored_SxTxK = stored_SxTxK[..., :k]
   # Encoding keeps every cumulative sum <= MAX_GAP, so uint16 accumulation cannot wrap (on
   # intact data; damaged chunks fail their crc32c first). uint16 is ~3x faster than int64 here.
   logprobs = np.cumsum(stored_SxTxK, axis=-1, dtype=np.uint16).astype(np.float32)

@@ -67,6 +67,7 @@ class Store:
     self.num_seqs = attrs["num_seqs"]
     self.seq_len = attrs["seq_len"]
     self.k = attrs["k"]
+    self.read_k = self.k  # top-k entries read() returns: the first read_k (open(k=) sets it)
     self.vocab_size = attrs["vocab_size"]
     self.layout = attrs["layout"]
     self.region_rows = attrs["region_rows"]
@@ -289,7 +290,7 @@ class Store:
       rows = np.arange(*rows.indices(self.num_seqs))
     if self.k > 0:
       out["topk_ids"], out["topk_logprobs"] = layout_lib.decode_topk(
-          out["topk_ids"], out["topk_logprobs"], self.dtypes, self._scale)
+          out["topk_ids"], out["topk_logprobs"], self.dtypes, self._scale, self.read_k)
       values.check_ids(out["topk_ids"], rows, self.vocab_size, where, fix)
       values.check_logprobs(out["topk_logprobs"], rows, where, fix)
     if "hidden" in out:
@@ -386,7 +387,9 @@ def open(path, *, vocab_size=None, k=None, seq_len=None, tokenizer_hash=None, hi
 
   Args:
     path: directory of the store.
-    vocab_size, k, seq_len, tokenizer_hash: expected values; None skips the check.
+    vocab_size, k, seq_len, tokenizer_hash: expected values; None skips the check. A cache of
+      more than k entries per position is read as its first k, which are the teacher's top k
+      (entries are stored by descending probability): one k = 100 cache serves every k <= 100.
     hidden: the caller needs the teacher's hidden states (refuse a store without them).
     allow_partial: accept a store whose writer has not finished, and skip the check of the
       finished regions' files (to inspect or repair it).
@@ -400,13 +403,19 @@ def open(path, *, vocab_size=None, k=None, seq_len=None, tokenizer_hash=None, hi
   if not os.path.exists(os.path.join(path, "zarr.json")):
     raise CacheError(f"no store at {path}: build it first (the data / teacher stage writes it).")
   attrs = _read_attrs(path)
-  expected = {"vocab_size": vocab_size, "k": k, "seq_len": seq_len, "tokenizer_hash": tokenizer_hash}
+  expected = {"vocab_size": vocab_size, "seq_len": seq_len, "tokenizer_hash": tokenizer_hash}
   for key, want in expected.items():
     if want is not None and attrs.get(key) != want:
       raise CacheError(f"{path} was built with {key}={attrs.get(key)!r} but {want!r} is expected: "
                        f"rebuild the store for this model/tokenizer, or point to the matching "
                        f"one.")
+  if k is not None and k != attrs["k"] and not 0 < k <= attrs["k"]:
+    raise CacheError(f"{path} holds the teacher's top {attrs['k']} entries per position but "
+                     f"k={k} is asked for: set cache.k to at most {attrs['k']}, or rebuild the "
+                     f"cache with cache.k={k} (another cache.path).")
   store = Store(path, attrs)
+  if k is not None:
+    store.read_k = k
   if hidden:
     store.require_hidden()
   if not allow_partial:
