@@ -8,13 +8,16 @@ machines carry), never in kdjax's venv. jobs.json:
     {"make":   [{"dir", "model_type", "config": {...}, "seed", "max_shard_size" (or null),
                  "tokenizer_vocab" (or null)}],
      "dequantize": [{"dir", "out_dir"}],
-     "logits": [{"dir", "inputs": "x.npz" (tokens, positions, segment_ids [B, T]), "out": "y.npy"}]}
+     "logits": [{"dir", "inputs": "x.npz" (tokens, positions, segment_ids [B, T]), "out": "y.npy"}],
+     "nll": [{"dir", "inputs": "x.npz" (the same + loss_mask [B, T]), "out": "y.json"}]}
 
 "make" saves a tiny random model (norm scales, biases and attention sinks randomised too, so a
 swapped or dropped one shows) and, with tokenizer_vocab, a word-level tokenizer.json defining
 that many tokens. "logits" loads a directory with AutoModelForCausalLM and writes float64 logits
 [B, T, V], running each document (contiguous run of one nonzero segment id) alone with its
-position ids; padding rows stay zero. "dequantize" rewrites an MXFP4 gpt-oss checkpoint (a
+position ids; padding rows stay zero. "nll" scores a checkpoint on packed rows as a user would (float32, on the GPU when torch has one,
+each document alone): the mean negative log-likelihood of token t + 1 at every position t that
+loss_mask marks, {"mean_nll", "positions"}. "dequantize" rewrites an MXFP4 gpt-oss checkpoint (a
 single model.safetensors) with float experts, decoded by transformers' own MXFP4 converter (its
 loader needs accelerate for MXFP4, which the side venv does not carry).
 """
@@ -74,19 +77,44 @@ def logits(job: dict) -> None:
   tokens, positions, segment_ids = data["tokens"], data["positions"], data["segment_ids"]
   out = np.zeros(tokens.shape + (model.config.vocab_size,), np.float64)
   for b in range(tokens.shape[0]):
-    t = 0
-    while t < tokens.shape[1]:
-      seg = segment_ids[b, t]
-      end = t
-      while end < tokens.shape[1] and segment_ids[b, end] == seg:
-        end += 1
-      if seg != 0:
-        with torch.no_grad():
-          result = model(input_ids=torch.tensor(tokens[b:b + 1, t:end], dtype=torch.long),
-                         position_ids=torch.tensor(positions[b:b + 1, t:end], dtype=torch.long))
-        out[b, t:end] = result.logits[0].numpy()
-      t = end
+    for t, end in documents(segment_ids[b]):
+      with torch.no_grad():
+        result = model(input_ids=torch.tensor(tokens[b:b + 1, t:end], dtype=torch.long),
+                       position_ids=torch.tensor(positions[b:b + 1, t:end], dtype=torch.long))
+      out[b, t:end] = result.logits[0].numpy()
   np.save(job["out"], out)
+
+
+def documents(segment_ids_T):
+  """[(start, end)] of each run of one nonzero segment id."""
+  out, t = [], 0
+  while t < len(segment_ids_T):
+    end = t
+    while end < len(segment_ids_T) and segment_ids_T[end] == segment_ids_T[t]:
+      end += 1
+    if segment_ids_T[t] != 0:
+      out.append((t, end))
+    t = end
+  return out
+
+
+def nll(job: dict) -> None:
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  model = transformers.AutoModelForCausalLM.from_pretrained(job["dir"]).float().to(device).eval()
+  data = np.load(job["inputs"])
+  total, count = 0.0, 0
+  for b in range(data["tokens"].shape[0]):
+    for t, end in documents(data["segment_ids"][b]):
+      ids = torch.tensor(data["tokens"][b:b + 1, t:end], dtype=torch.long, device=device)
+      with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=torch.tensor(
+            data["positions"][b:b + 1, t:end], dtype=torch.long, device=device)).logits[0]
+      logp = torch.log_softmax(logits[:-1].double(), -1).gather(1, ids[0, 1:, None])[:, 0]
+      mask = torch.tensor(data["loss_mask"][b, t:end - 1], device=device)
+      total -= float(logp[mask].sum())
+      count += int(mask.sum())
+  with open(job["out"], "w") as f:
+    json.dump({"mean_nll": total / max(count, 1), "positions": count}, f)
 
 
 def main() -> None:
@@ -98,6 +126,8 @@ def main() -> None:
     dequantize(job)
   for job in jobs.get("logits", []):
     logits(job)
+  for job in jobs.get("nll", []):
+    nll(job)
   print(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__}))
 
 
