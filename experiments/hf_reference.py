@@ -15,8 +15,7 @@ swapped or dropped one shows) and, with tokenizer_vocab, a word-level tokenizer.
 that many tokens. "logits" loads a directory with AutoModelForCausalLM and writes float64 logits
 [B, T, V], running each document (contiguous run of one nonzero segment id) alone with its
 position ids; padding rows stay zero. "dequantize" rewrites an MXFP4 gpt-oss checkpoint (a
-single model.safetensors) with float experts, decoded by transformers' own MXFP4 converter (its
-loader needs accelerate for MXFP4, which the side venv does not carry).
+single model.safetensors) with float experts, decoded by transformers' own MXFP4 converter.
 """
 import json
 import sys
