@@ -15,11 +15,11 @@ machines carry), never in kdjax's venv. jobs.json:
 swapped or dropped one shows) and, with tokenizer_vocab, a word-level tokenizer.json defining
 that many tokens. "logits" loads a directory with AutoModelForCausalLM and writes float64 logits
 [B, T, V], running each document (contiguous run of one nonzero segment id) alone with its
-position ids; padding rows stay zero. "nll" scores a checkpoint on packed rows as a user would (float32, on the GPU when torch has one,
-each document alone): the mean negative log-likelihood of token t + 1 at every position t that
-loss_mask marks, {"mean_nll", "positions"}. "dequantize" rewrites an MXFP4 gpt-oss checkpoint (a
-single model.safetensors) with float experts, decoded by transformers' own MXFP4 converter (its
-loader needs accelerate for MXFP4, which the side venv does not carry).
+position ids; padding rows stay zero. "nll" scores a checkpoint on packed rows as a user would
+(float32, on the GPU when torch has one, each document alone): the mean negative log-likelihood
+of token t + 1 at every position t that loss_mask marks, {"mean_nll", "positions"}. "dequantize"
+rewrites an MXFP4 gpt-oss checkpoint (a single model.safetensors) with float experts, decoded by
+transformers' own MXFP4 converter.
 """
 import json
 import sys
