@@ -201,7 +201,7 @@ def test_bad_messages_and_syntax_errors():
 def test_chat_records_need_a_template(tmp_path):
   path = tmp_path / "chat.jsonl"
   path.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
-  with pytest.raises(sources.DataError, match="no chat_template"):
+  with pytest.raises(sources.DataError, match="no chat template"):
     list(sources.documents(str(path)))
 
 

@@ -1,4 +1,5 @@
 """Tokenizer: local BPE training, loading files and HF dirs, hash stability and mismatches."""
+import dataclasses
 import itertools
 import json
 import os
@@ -102,3 +103,28 @@ def test_load_names_what_is_wrong(tmp_path):
   with pytest.raises(FileNotFoundError, match=f"{tmp_path} has no tokenizer.json "
                      r"\(it holds \['config.json', 'model.safetensors'\]\)"):
     tokenizer.load(str(tmp_path))
+
+
+def test_chat_template_beside_the_config(smollm2_tokenizer, smollm2_template, trained, tmp_path):
+  """transformers 5 keeps the template in chat_template.jinja (tokenizer_config.json has none);
+  the legacy chat_template.json is read too; save writes what load reads."""
+  path = smollm2_tokenizer(tmp_path / "smollm2")
+  tok = tokenizer.load(path)
+  assert tok.chat_template == smollm2_template
+  assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 2)
+  tokenizer.save(tok, str(tmp_path / "saved"))
+  assert sorted(os.listdir(tmp_path / "saved")) == ["chat_template.jinja", "tokenizer.json",
+                                                    "tokenizer_config.json"]
+  again = tokenizer.load(str(tmp_path / "saved"))
+  assert again == dataclasses.replace(tok, hf=again.hf)
+  os.remove(os.path.join(path, "chat_template.jinja"))
+  assert tokenizer.load(path).chat_template is None
+  (tmp_path / "smollm2" / "chat_template.json").write_text(
+      json.dumps({"chat_template": smollm2_template}))
+  assert tokenizer.load(path).chat_template == smollm2_template
+  # A directory without tokenizer_config.json still has its template.
+  bare = tmp_path / "bare"
+  tokenizer.save(trained[0], str(bare / "tokenizer.json"))
+  (bare / "chat_template.jinja").write_text("{{ messages }}")
+  assert tokenizer.load(str(bare)).chat_template == "{{ messages }}"
+  assert tokenizer.load(str(bare / "tokenizer.json")).chat_template is None

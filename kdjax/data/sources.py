@@ -106,6 +106,25 @@ def source_paths(source: str) -> list[str]:
   return paths
 
 
+def chat_file(source: str, messages_field: str) -> str | None:
+  """The first file of `source` whose first record is a chat record (a parquet file: that has
+  the column), or None; for checks before the data stage, which reads every record."""
+  if source == "stdlib":
+    return None
+  for path in source_paths(source):
+    if path.endswith(".parquet"):
+      if messages_field in pq.ParquetFile(path).schema_arrow.names:
+        return path
+      continue
+    try:
+      _, record = next(_jsonl_records(path), (None, None))
+    except DataError:  # the data stage names it with its line
+      continue
+    if isinstance(record, dict) and record.get(messages_field) is not None:
+      return path
+  return None
+
+
 def stdlib_files() -> list[str]:
   """The standard library's .py files, sorted by relative path so every machine agrees."""
   root = sysconfig.get_paths()["stdlib"]
@@ -146,8 +165,9 @@ def _record_document(record, where, text_field, messages_field, renderer) -> Doc
   messages = record.get(messages_field)
   if messages is not None:
     if renderer is None:
-      raise DataError(f"{where}: chat record ({messages_field!r}) but the tokenizer has no "
-                      "chat_template; use a tokenizer dir whose tokenizer_config.json has one")
+      raise DataError(f"{where}: chat record ({messages_field!r}) but the tokenizer has no chat "
+                      "template; use a tokenizer dir with one (chat_template.jinja, or "
+                      "tokenizer_config.json's chat_template)")
     if not messages:
       return Document("")
     try:
