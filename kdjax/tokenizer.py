@@ -1,8 +1,9 @@
 """Tokenizers: train a byte-level BPE locally, load HF tokenizers, hash them.
 
 A `Tokenizer` wraps a Hugging Face `tokenizers.Tokenizer` with what the data stage needs beside
-it: the bos/eos/pad ids of `tokenizer_config.json` and the chat template (in that file, or, as
-transformers >= 4.43 writes it, in `chat_template.jinja` / `chat_template.json` beside it).
+it: the bos/eos/pad ids of `tokenizer_config.json`, the tokens that separate plain-text
+documents (`document_bos` / `document_eos`: not always the configured bos/eos) and the chat
+template (in that file, or, as transformers 5 writes it, in `chat_template.jinja` beside it).
 Teacher and student must share one tokenizer; `tokenizer_hash` is what the stores record and check.
 """
 import dataclasses
@@ -17,6 +18,17 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from kdjax.cache import durable
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+# Document separators. A plain-text document ends with the vocabulary's dedicated end-of-text
+# token: the configured eos when it is one of these, else the first of these that the tokenizer
+# holds as a special token (instruct tokenizers configure a chat marker as eos: <|im_end|>,
+# <|eot_id|>); else the configured eos. Checked against special tokens only, so a merged BPE
+# token spelling "</s>" never counts.
+END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", EOS)
+# A document starts with the configured bos only when it is one of these: the begin-of-text
+# tokens of families that put one before every document (Llama 3, Llama 2 / Mistral, Gemma, this
+# project's BPE). A bos configured as anything else (SmolLM2-Instruct's <|im_start|>, a ChatML
+# marker) is not added, and families without a bos (Qwen, GPT-2 style) get none.
+BEGIN_OF_TEXT = ("<|begin_of_text|>", "<s>", "<bos>", BOS)
 # Files beside tokenizer_config.json that hold a chat template: transformers 5's, the legacy one.
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
@@ -43,12 +55,33 @@ class Tokenizer:
     return _token_id(self.hf, self.pad_token)
 
   @property
+  def document_bos(self) -> str | None:
+    """Prepended to each plain-text document by packing (see BEGIN_OF_TEXT), or None."""
+    return self.bos_token if self.bos_token in BEGIN_OF_TEXT else None
+
+  @property
+  def document_eos(self) -> str | None:
+    """Appended to each plain-text document by packing (see END_OF_TEXT), or None."""
+    special = {t.content for t in self.hf.get_added_tokens_decoder().values() if t.special}
+    if self.eos_token in END_OF_TEXT and self.eos_token in special:
+      return self.eos_token
+    return next((t for t in END_OF_TEXT if t in special), self.eos_token)
+
+  @property
+  def document_bos_id(self) -> int | None:
+    return _token_id(self.hf, self.document_bos)
+
+  @property
+  def document_eos_id(self) -> int | None:
+    return _token_id(self.hf, self.document_eos)
+
+  @property
   def vocab_size(self) -> int:
     return real_vocab_size(self)
 
   def encode(self, text: str) -> list[int]:
-    # Special tokens are never added here: documents get bos/eos in packing, chat templates
-    # write their own.
+    # Special tokens are never added here: documents get document_bos/eos in packing, chat
+    # templates write their own.
     return self.hf.encode(text, add_special_tokens=False).ids
 
   def decode(self, ids: Iterable[int]) -> str:

@@ -91,3 +91,20 @@ def test_build_from_config_trains_tokenizer_on_stdlib(tmp_path):
   stage.build(c, **paths)  # complete: skipped, tokenizer kept
   assert tokenizer.tokenizer_hash(tokenizer.load(paths["tokenizer_path"])) == \
       tokenizer.tokenizer_hash(tok)
+
+
+def test_documents_separated_by_end_of_text_not_chat_markers(smollm2_tokenizer, tmp_path):
+  """SmolLM2-Instruct's bos/eos (<|im_start|>/<|im_end|>) are chat markers: each plain-text
+  document is followed by <|endoftext|> alone."""
+  tok = tokenizer.load(smollm2_tokenizer(tmp_path / "smollm2"))
+  source = write_jsonl(tmp_path / "d.jsonl", 6)
+  train, eval_ = str(tmp_path / "train.zarr"), str(tmp_path / "eval.zarr")
+  stage.build_stores(source, tok, 16, train, eval_, eval_every=3)
+  store = cache.open(train)
+  assert store.attrs["document_bos"] is None and store.attrs["document_eos"] == "<|endoftext|>"
+  rows = store.read(slice(0, store.num_seqs))
+  texts = [tok.decode(rows["tokens"][r][rows["segment_ids"][r] == s])
+           for r in range(store.num_seqs) for s in range(1, rows["segment_ids"][r].max() + 1)]
+  expected = "".join(f"document {i}: " + "word " * (i % 7) + "<|endoftext|>"
+                     for i in range(6) if i % 3)
+  assert "".join(texts) == expected

@@ -17,7 +17,8 @@ import tqdm
 from kdjax import cache, tokenizer
 from kdjax.data import packing, sources
 
-FORMAT = "kdjax.data/1"
+# 2: plain-text documents separated by Tokenizer.document_bos/eos (were the configured bos/eos).
+FORMAT = "kdjax.data/2"
 _ENCODE_BATCH = 64  # documents per encode_batch call (Rust threads tokenise a batch in parallel)
 _ARRAYS = {"tokens": np.int32, "segment_ids": np.int32, "positions": np.int32,
            "loss_mask": np.bool_}
@@ -69,7 +70,9 @@ def build_stores(source: str, tok: tokenizer.Tokenizer, seq_len: int, train_path
   tok_hash = tokenizer.tokenizer_hash(tok)
   identity = {"tokenizer_hash": tok_hash, "source": source, "data_format": FORMAT,
               "eval_every": eval_every, "max_bytes": max_bytes, "loss_mask": loss_mask,
-              "text_field": text_field, "messages_field": messages_field}
+              "text_field": text_field, "messages_field": messages_field,
+              # tokenizer_config.json, which decides them, is not in the tokenizer's hash
+              "document_bos": tok.document_bos, "document_eos": tok.document_eos}
   if _complete(train_path, seq_len, identity) and _complete(eval_path, seq_len, identity):
     logging.info("data: %s and %s are complete; skipping", train_path, eval_path)
     return {}
@@ -78,8 +81,8 @@ def build_stores(source: str, tok: tokenizer.Tokenizer, seq_len: int, train_path
                            chat_template=tok.chat_template, bos_token=tok.bos_token,
                            eos_token=tok.eos_token, loss_mask=loss_mask, max_bytes=max_bytes,
                            counts=counts)
-  packers = [packing.Packer(seq_len, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id or 0)
-             for _ in range(2)]
+  packers = [packing.Packer(seq_len, bos_id=tok.document_bos_id, eos_id=tok.document_eos_id,
+                            pad_id=tok.pad_id or 0) for _ in range(2)]
   spools = [_Spool(f"{path}.rows.tmp", seq_len) for path in (train_path, eval_path)]
   try:
     for i, (doc, ids, targets) in enumerate(_tokenized(docs, tok)):
