@@ -16,6 +16,8 @@ def check_inputs(c, tokenizer_path: str) -> None:
                                "directory (it is created if missing).")
   if "data" in stages and c.data.source != "stdlib":
     sources.source_paths(c.data.source)  # names a missing file or an empty glob
+  if "data" in stages and c.data.eval_source:
+    sources.source_paths(c.data.eval_source, "data.eval_source")
 
   tok = _run_tokenizer(c, tokenizer_path, stages)
   if "data" in stages:
@@ -64,6 +66,8 @@ def _chat_template(c, tok, tokenizer_path: str) -> None:
   if tok is not None and tok.chat_template is not None:
     return
   path = sources.chat_file(c.data.source, c.data.messages_field)
+  if path is None and c.data.eval_source:
+    path = sources.chat_file(c.data.eval_source, c.data.messages_field, "data.eval_source")
   if path is None:
     return
   whose = (f"the tokenizer {tokenizer_path} has no chat template (no chat_template.jinja, "

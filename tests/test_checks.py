@@ -121,3 +121,11 @@ def test_chat_data_with_a_tokenizer_without_template(world, tmp_path, smollm2_to
       "teacher.hf_path": "", "stages": ("data",)})
   checks.check_inputs(with_template, pipeline.Paths.from_config(with_template).tokenizer)
   checks.check_inputs(run_config(world, tmp_path), str(world / "tok"))
+
+
+def test_missing_eval_source(world, tmp_path):
+  message = refused(run_config(world, tmp_path, **{"data.eval_source": str(tmp_path / "no.jsonl")}),
+                    Exception, "no.jsonl", "data.eval_source")
+  assert "\n" not in message
+  c = run_config(world, tmp_path, **{"data.eval_source": str(world / "train.jsonl")})
+  checks.check_inputs(c, pipeline.Paths.from_config(c).tokenizer)

@@ -88,30 +88,32 @@ def documents(source: str, *, text_field: str = "text", messages_field: str = "m
         return
 
 
-def source_paths(source: str) -> list[str]:
-  """The files named by `source`: comma-separated paths or globs, each glob sorted."""
+def source_paths(source: str, field: str = "data.source") -> list[str]:
+  """The files named by `source`: comma-separated paths or globs, each glob sorted. field: the
+  config field naming them, for the errors."""
   paths = []
   for part in (p.strip() for p in source.split(",") if p.strip()):
     matches = sorted(glob.glob(part)) if glob.has_magic(part) else [part]
     if not matches:
-      raise DataError(f"{part}: no file matches")
+      raise DataError(f"{part} ({field}): no file matches")
     for path in matches:
       if not os.path.exists(path):
-        raise DataError(f"{path}: no such file (data.source takes 'stdlib' or .jsonl/.parquet)")
+        takes = "'stdlib' or " if field == "data.source" else ""
+        raise DataError(f"{path}: no such file ({field} takes {takes}.jsonl/.parquet)")
       if not path.endswith((".jsonl", ".parquet")):
-        raise DataError(f"{path}: unknown format; use .jsonl or .parquet")
+        raise DataError(f"{path} ({field}): unknown format; use .jsonl or .parquet")
       paths.append(path)
   if not paths:
-    raise DataError(f"data source {source!r} names no file")
+    raise DataError(f"{field} {source!r} names no file")
   return paths
 
 
-def chat_file(source: str, messages_field: str) -> str | None:
+def chat_file(source: str, messages_field: str, field: str = "data.source") -> str | None:
   """The first file of `source` whose first record is a chat record (a parquet file: that has
   the column), or None; for checks before the data stage, which reads every record."""
   if source == "stdlib":
     return None
-  for path in source_paths(source):
+  for path in source_paths(source, field):
     if path.endswith(".parquet"):
       if messages_field in pq.ParquetFile(path).schema_arrow.names:
         return path
