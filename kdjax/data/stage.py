@@ -18,7 +18,8 @@ import tqdm
 from kdjax import cache, tokenizer
 from kdjax.data import packing, sources
 
-# 2: plain-text documents separated by Tokenizer.document_bos/eos (were the configured bos/eos).
+# 2: plain-text documents separated by Tokenizer.document_bos/eos (were the configured bos/eos);
+# assistant spans end at the end-of-turn token (they held the whitespace after it).
 FORMAT = "kdjax.data/2"
 _ENCODE_BATCH = 64  # documents per encode_batch call (Rust threads tokenise a batch in parallel)
 _ARRAYS = {"tokens": np.int32, "segment_ids": np.int32, "positions": np.int32,
