@@ -16,8 +16,12 @@ def check_inputs(c, tokenizer_path: str) -> None:
                                "directory (it is created if missing).")
   if "data" in stages and c.data.source != "stdlib":
     sources.source_paths(c.data.source)  # names a missing file or an empty glob
+  if "data" in stages and c.data.eval_source:
+    sources.source_paths(c.data.eval_source, "data.eval_source")
 
   tok = _run_tokenizer(c, tokenizer_path, stages)
+  if "data" in stages:
+    _chat_template(c, tok, tokenizer_path)
   if c.teacher.hf_path and not c.data.tokenizer and "data" in stages:
     raise ValueError(
         f"teacher.hf_path is set but data.tokenizer is empty, so stage 'data' would train a new "
@@ -55,6 +59,24 @@ def _run_tokenizer(c, tokenizer_path: str, stages: set):
         f"no tokenizer: {tokenizer_path} does not exist and stage 'data', which writes it, is not "
         "listed. Add 'data' to --config.stages, or set --config.data.tokenizer.")
   return None
+
+
+def _chat_template(c, tok, tokenizer_path: str) -> None:
+  """Chat records render with the tokenizer's template: refuse them when it has none."""
+  if tok is not None and tok.chat_template is not None:
+    return
+  path = sources.chat_file(c.data.source, c.data.messages_field)
+  if path is None and c.data.eval_source:
+    path = sources.chat_file(c.data.eval_source, c.data.messages_field, "data.eval_source")
+  if path is None:
+    return
+  whose = (f"the tokenizer {tokenizer_path} has no chat template (no chat_template.jinja, "
+           "chat_template.json or tokenizer_config.json 'chat_template')" if tok is not None
+           else "stage 'data' would train a tokenizer, which has no chat template")
+  raise ValueError(
+      f"{path} holds chat records ({c.data.messages_field!r}) but {whose}: set "
+      "--config.data.tokenizer to a checkpoint directory whose tokenizer has one, or give "
+      f"plain-text records ({c.data.text_field!r}).")
 
 
 def _same_tokenizer(role: str, hf_path: str, tok, run_tokenizer_path: str) -> None:

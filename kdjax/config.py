@@ -81,6 +81,9 @@ def base() -> ml_collections.ConfigDict:
   c.data.max_bytes = 4_000_000  # soft cap on text read, bytes (0 = none)
   c.data.seq_len = 256  # tokens per packed sequence
   c.data.eval_every = 20  # documents 0, n, 2n, ... are held out for evaluation
+  # held-out documents: .jsonl/.parquet path(s); "" = every data.eval_every-th document of
+  # data.source (when set, every document of data.source is trained on)
+  c.data.eval_source = ""
   c.data.tokenizer = ""  # tokenizer.json or HF dir; "" = train a BPE on the source
   c.data.vocab_size = 2048  # BPE size when training a tokenizer
 

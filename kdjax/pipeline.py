@@ -7,7 +7,7 @@ Outputs under the workdir:
   teacher/                    (stage pretrain) the teacher's checkpoints and metrics.jsonl
   cache/{train,eval}.zarr     the teacher's top-k per position (or cache.path)
   student/, baseline/         checkpoints and metrics.jsonl of the distilled / hard-label student
-  eval.json                   held-out metrics of every model evaluated
+  eval.json                   held-out metrics of every model evaluated (a teacher.hf_path too)
   curves.png                  training CE, KL and top-1 agreement of the students
   export/                     (stage export) the student as a Hugging Face checkpoint directory
 """
@@ -140,11 +140,15 @@ def load_teacher(c, paths: Paths, mesh=None):
   return model
 
 
-def stage_cache(c, paths: Paths):
-  # A mesh of several devices shards the teacher over this process's devices, or with
-  # cache.teacher_devices "all" over every process's (then process 0 alone writes).
+def teacher_mesh(c):
+  """A mesh of several devices shards the teacher over this process's devices, or with
+  cache.teacher_devices "all" over every process's (then process 0 alone writes); else None."""
   several = c.mesh.data * c.mesh.fsdp * c.mesh.tensor > 1
-  mesh = parallel.teacher_mesh(c.cache.teacher_devices) if several else None
+  return parallel.teacher_mesh(c.cache.teacher_devices) if several else None
+
+
+def stage_cache(c, paths: Paths):
+  mesh = teacher_mesh(c)
   model = load_teacher(c, paths, mesh)
   # The hash identifies the weights; the name is for people (a workdir may move, so no path).
   attrs = {"teacher": c.teacher.hf_path or "trained by stage pretrain (<workdir>/teacher)",
@@ -212,7 +216,18 @@ def stage_baseline(c, paths: Paths):
 def stage_eval(c, paths: Paths):
   eval_store = cache.open(paths.cache("eval"))
   vocab = load_tokenizer(c, paths).vocab_size
-  models = {"student_init": new_model(c.student, vocab, c.seed)[0]}
+  results = {}
+
+  def measure(name, model):  # one model in memory at a time: the teacher may be large
+    results[name] = evaluate.evaluate(model, eval_store, batch_size=c.eval.batch_size,
+                                      max_seqs=c.eval.max_seqs,
+                                      chunk_size=c.loss.chunk_size or None, desc=f"eval {name}")
+
+  measure("student_init", new_model(c.student, vocab, c.seed)[0])
+  if c.teacher.hf_path:
+    # Its own held-out CE is the reference the students are measured against; its KL to the
+    # top-k it cached is ~0 (up to cache.layout's quantisation) and its top-1 agreement ~1.
+    measure("teacher", load_teacher(c, paths, teacher_mesh(c)))
   # Every finished model of the workdir, whichever stages this run lists.
   runs = [("student", c.student, c.opt), ("baseline", c.student, c.opt)]
   if not c.teacher.hf_path:
@@ -220,19 +235,16 @@ def stage_eval(c, paths: Paths):
   for name, group, opt in runs:
     model = finished_model(c, paths, name, group, opt)
     if model is not None:
-      models[name] = model
+      measure(name, model)
     elif os.path.isdir(paths.run(name)):
       logging.warning("eval: %s has not finished its %d steps; not evaluated", name, opt.steps)
-  results = {name: evaluate.evaluate(m, eval_store, batch_size=c.eval.batch_size,
-                                     max_seqs=c.eval.max_seqs,
-                                     chunk_size=c.loss.chunk_size or None,
-                                     desc=f"eval {name}") for name, m in models.items()}
+    del model
   if jax.process_index() != 0:  # several processes: each measured the same; process 0 writes
     return results
   with open(os.path.join(c.workdir, "eval.json"), "w") as f:
     json.dump(results, f, indent=2)
   runs = {name: os.path.join(paths.run(name), "metrics.jsonl")
-          for name in ("student", "baseline") if name in models}
+          for name in ("student", "baseline") if name in results}
   plots.training_curves(
       [("train CE on the true next tokens (nats)", "ce", runs),
        ("student's distillation loss (nats)", "kl", {"student": runs.get("student", "")}),

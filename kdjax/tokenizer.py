@@ -1,8 +1,10 @@
 """Tokenizers: train a byte-level BPE locally, load HF tokenizers, hash them.
 
 A `Tokenizer` wraps a Hugging Face `tokenizers.Tokenizer` with what the data stage needs beside
-it: the bos/eos/pad ids and the chat template of `tokenizer_config.json`. Teacher and student must
-share one tokenizer; `tokenizer_hash` is what the stores record and check.
+it: the bos/eos/pad ids of `tokenizer_config.json`, the tokens that separate plain-text
+documents (`document_bos` / `document_eos`: not always the configured bos/eos) and the chat
+template (in that file, or, as transformers 5 writes it, in `chat_template.jinja` beside it).
+Teacher and student must share one tokenizer; `tokenizer_hash` is what the stores record and check.
 """
 import dataclasses
 import hashlib
@@ -16,6 +18,19 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from kdjax.cache import durable
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+# Document separators. A plain-text document ends with the vocabulary's dedicated end-of-text
+# token: the configured eos when it is one of these, else the first of these that the tokenizer
+# holds as a special token (instruct tokenizers configure a chat marker as eos: <|im_end|>,
+# <|eot_id|>); else the configured eos. Checked against special tokens only, so a merged BPE
+# token spelling "</s>" never counts.
+END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", EOS)
+# A document starts with the configured bos only when it is one of these: the begin-of-text
+# tokens of families that put one before every document (Llama 3, Llama 2 / Mistral, Gemma, this
+# project's BPE). A bos configured as anything else (SmolLM2-Instruct's <|im_start|>, a ChatML
+# marker) is not added, and families without a bos (Qwen, GPT-2 style) get none.
+BEGIN_OF_TEXT = ("<|begin_of_text|>", "<s>", "<bos>", BOS)
+# Files beside tokenizer_config.json that hold a chat template: transformers 5's, the legacy one.
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +55,33 @@ class Tokenizer:
     return _token_id(self.hf, self.pad_token)
 
   @property
+  def document_bos(self) -> str | None:
+    """Prepended to each plain-text document by packing (see BEGIN_OF_TEXT), or None."""
+    return self.bos_token if self.bos_token in BEGIN_OF_TEXT else None
+
+  @property
+  def document_eos(self) -> str | None:
+    """Appended to each plain-text document by packing (see END_OF_TEXT), or None."""
+    special = {t.content for t in self.hf.get_added_tokens_decoder().values() if t.special}
+    if self.eos_token in END_OF_TEXT and self.eos_token in special:
+      return self.eos_token
+    return next((t for t in END_OF_TEXT if t in special), self.eos_token)
+
+  @property
+  def document_bos_id(self) -> int | None:
+    return _token_id(self.hf, self.document_bos)
+
+  @property
+  def document_eos_id(self) -> int | None:
+    return _token_id(self.hf, self.document_eos)
+
+  @property
   def vocab_size(self) -> int:
     return real_vocab_size(self)
 
   def encode(self, text: str) -> list[int]:
-    # Special tokens are never added here: documents get bos/eos in packing, chat templates
-    # write their own.
+    # Special tokens are never added here: documents get document_bos/eos in packing, chat
+    # templates write their own.
     return self.hf.encode(text, add_special_tokens=False).ids
 
   def decode(self, ids: Iterable[int]) -> str:
@@ -90,16 +126,18 @@ def train_bpe(texts: Iterable[str], vocab_size: int, path: str) -> Tokenizer:
 
 
 def save(tok: Tokenizer, path: str) -> None:
-  """Writes `tokenizer.json` (a file path), or a checkpoint-style directory, atomically."""
+  """Writes `tokenizer.json` (a file path: no config, no template), or a checkpoint-style
+  directory, atomically: tokenizer.json, tokenizer_config.json and, when the tokenizer has one,
+  chat_template.jinja (transformers 5's layout; `load` reads it back)."""
   if path.endswith(".json"):
     _write_atomic(path, tok.hf.to_str(pretty=True))
     return
   os.makedirs(path, exist_ok=True)
   _write_atomic(os.path.join(path, "tokenizer.json"), tok.hf.to_str(pretty=True))
   config = {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "pad_token": tok.pad_token}
-  if tok.chat_template is not None:
-    config["chat_template"] = tok.chat_template
   _write_atomic(os.path.join(path, "tokenizer_config.json"), json.dumps(config, indent=2))
+  if tok.chat_template is not None:
+    _write_atomic(os.path.join(path, TEMPLATE_FILES[0]), tok.chat_template)
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -111,8 +149,10 @@ def load(path: str) -> Tokenizer:
   """Loads a `tokenizer.json` file or a HF checkpoint directory.
 
   A directory must hold `tokenizer.json`; its `tokenizer_config.json`, when present, gives the
-  bos/eos/pad tokens and the chat template. A bare file uses <|bos|>/<|eos|>/<|pad|> where the
-  vocabulary has them.
+  bos/eos/pad tokens (else <|bos|>/<|eos|>/<|pad|> where the vocabulary has them, as for a bare
+  file). Its chat template is read as transformers reads it: `chat_template.jinja` (transformers 5
+  writes it and leaves tokenizer_config.json without one), else tokenizer_config.json's
+  `chat_template`, else the legacy `chat_template.json`. A bare file has no template.
   """
   if os.path.isdir(path):
     file = os.path.join(path, "tokenizer.json")
@@ -133,14 +173,20 @@ def load(path: str) -> Tokenizer:
     raise ValueError(
         f"{file} is not a tokenizer ({e}): a tokenizer path must be a directory holding "
         "tokenizer.json, or a tokenizer.json file, as written by Hugging Face tokenizers") from e
-  if config_file is not None and os.path.exists(config_file):
-    with open(config_file, encoding="utf-8") as f:
-      config = json.load(f)
+  if config_file is None:
+    config, template = None, None
+  else:
+    config = None
+    if os.path.exists(config_file):
+      with open(config_file, encoding="utf-8") as f:
+        config = json.load(f)
+    template = _template(path, config or {})
+  if config is not None:
     return Tokenizer(hf, _token_name(config.get("bos_token")), _token_name(config.get("eos_token")),
-                     _token_name(config.get("pad_token")), _chat_template(config))
+                     _token_name(config.get("pad_token")), template)
   vocab = hf.get_vocab(with_added_tokens=True)
   bos, eos, pad = (t if t in vocab else None for t in (BOS, EOS, PAD))
-  return Tokenizer(hf, bos, eos, pad)
+  return Tokenizer(hf, bos, eos, pad, template)
 
 
 def _token_name(token) -> str | None:
@@ -156,6 +202,25 @@ def _chat_template(config: dict) -> str | None:
     named = {t["name"]: t["template"] for t in template}
     template = named.get("default")
   return template
+
+
+def _template(directory: str, config: dict) -> str | None:
+  """A checkpoint directory's chat template, from wherever transformers would read it, or None.
+  config: its tokenizer_config.json ({} when it has none)."""
+  jinja, legacy = (os.path.join(directory, name) for name in TEMPLATE_FILES)
+  if os.path.exists(jinja):  # transformers: a template file overrides tokenizer_config.json's
+    with open(jinja, encoding="utf-8") as f:
+      return f.read()
+  if _chat_template(config) is not None:
+    return _chat_template(config)
+  if os.path.exists(legacy):  # {"chat_template": "..."}, as processors wrote it
+    with open(legacy, encoding="utf-8") as f:
+      try:
+        return _chat_template(json.load(f))
+      except (ValueError, AttributeError, KeyError, TypeError) as e:
+        raise ValueError(f"{legacy} is not a chat template file ({e}): it must hold "
+                         '{"chat_template": "<jinja2 template>"}') from e
+  return None
 
 
 def tokenizer_hash(tok: Tokenizer | tokenizers.Tokenizer) -> str:

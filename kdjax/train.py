@@ -273,8 +273,9 @@ def _log_line(name, step, steps, m, lr, tok_s, mfu, mem_gib, eta_s):
   extra += f" mfu {mfu:.1%}" if mfu is not None else ""
   extra += f" mem {mem_gib:.1f}GiB" if mem_gib is not None else ""
   extra += f" eta {_duration(eta_s)}" if eta_s is not None else ""
-  logging.info("%s step %d/%d loss %.4f kl %.4f ce %.4f%s", name, step, steps, m["loss"], m["kl"],
-               m["ce"], extra)
+  kl = f" kl {m['kl']:.4f}" if "kl" in m else ""  # none on hard labels
+  logging.info("%s step %d/%d loss %.4f%s ce %.4f%s", name, step, steps, m["loss"], kl, m["ce"],
+               extra)
 
 
 def _duration(seconds: float) -> str:
@@ -397,7 +398,9 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
 
   def report(step, metrics):
     """Checks and logs one step's metrics (blocks until that step is done)."""
-    m = {k: float(v) for k, v in metrics.items()}
+    # On hard labels the one-hot "teacher" makes kl the cross-entropy itself (module
+    # docstring): logged once, as ce.
+    m = {k: float(v) for k, v in metrics.items() if not (hard_labels and k == "kl")}
     now = time.perf_counter()
     if not all(np.isfinite(list(m.values()))):
       raise FloatingPointError(

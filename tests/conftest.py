@@ -16,6 +16,7 @@ tests/fixtures/loss_reference.py and hf_side.py.
 Letters: B batch, T positions, V vocabulary, D width, K top-k entries.
 """
 import hashlib
+import json
 import os
 import secrets
 
@@ -192,3 +193,45 @@ make_data_fixture = shared("make_data", make_data)
 write_fixture = shared("write", write)
 store_files_fixture = shared("store_files", store_files)
 tiny_teacher_fixture = shared("tiny_teacher", TinyTeacher)
+
+
+# --- A transformers-5 checkpoint's tokenizer (the tokenizer, data and checks tests) -------------
+
+# SmolLM2-135M-Instruct's chat template, verbatim (ChatML with a default system turn).
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}")
+SMOLLM2_TEXTS = ["Hello there! You are a helpful assistant.", "def f(x):\n    return x + 1\n",
+                 "The quick brown fox jumps over the lazy dog. 2 + 2 = 4."] * 20
+
+
+def smollm2_tokenizer(path) -> str:
+  """A tiny tokenizer laid out as transformers 5 converts SmolLM2-135M-Instruct (from GGUF): a
+  byte-level BPE with <|endoftext|> (id 0, the document separator), <|im_start|> (1, configured
+  as bos) and <|im_end|> (2, eos and pad); tokenizer_config.json without a chat template, which
+  is in chat_template.jinja. Returns the directory."""
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+  hf = tokenizers.Tokenizer(models.BPE())
+  hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  hf.decoder = decoders.ByteLevel()
+  hf.train_from_iterator(SMOLLM2_TEXTS, trainer=trainers.BpeTrainer(
+      vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+  os.makedirs(path, exist_ok=True)
+  hf.save(os.path.join(path, "tokenizer.json"))
+  config = {"backend": "tokenizers", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+            "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>",
+            "tokenizer_class": "TokenizersBackend"}
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump(config, f)
+  with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+    f.write(SMOLLM2_TEMPLATE)
+  return str(path)
+
+
+smollm2_tokenizer_fixture = shared("smollm2_tokenizer", smollm2_tokenizer)
+smollm2_template_fixture = shared("smollm2_template", SMOLLM2_TEMPLATE)

@@ -103,3 +103,29 @@ def test_no_tokenizer_and_no_data_stage(world, tmp_path):
   refused(run_config(world, tmp_path, **{"data.tokenizer": "", "teacher.hf_path": "",
                                          "stages": ("train",)}),
           FileNotFoundError, "no tokenizer", "'data'")
+
+
+def test_chat_data_with_a_tokenizer_without_template(world, tmp_path, smollm2_tokenizer):
+  chat = tmp_path / "chat.jsonl"
+  chat.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                           {"role": "assistant", "content": "Hello"}]}) + "\n")
+  refused(run_config(world, tmp_path, **{"data.source": str(chat)}), ValueError,
+          str(chat), "chat records", f"the tokenizer {world / 'tok'} has no chat template",
+          "--config.data.tokenizer")
+  refused(run_config(world, tmp_path, **{"data.source": str(chat), "data.tokenizer": "",
+                                         "teacher.hf_path": ""}),
+          ValueError, str(chat), "would train a tokenizer, which has no chat template")
+  # The template of chat_template.jinja (transformers 5) counts; plain text needs none.
+  with_template = run_config(world, tmp_path, **{
+      "data.source": str(chat), "data.tokenizer": smollm2_tokenizer(tmp_path / "smollm2"),
+      "teacher.hf_path": "", "stages": ("data",)})
+  checks.check_inputs(with_template, pipeline.Paths.from_config(with_template).tokenizer)
+  checks.check_inputs(run_config(world, tmp_path), str(world / "tok"))
+
+
+def test_missing_eval_source(world, tmp_path):
+  message = refused(run_config(world, tmp_path, **{"data.eval_source": str(tmp_path / "no.jsonl")}),
+                    Exception, "no.jsonl", "data.eval_source")
+  assert "\n" not in message
+  c = run_config(world, tmp_path, **{"data.eval_source": str(world / "train.jsonl")})
+  checks.check_inputs(c, pipeline.Paths.from_config(c).tokenizer)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tokenizers
 
-from kdjax import tokenizer
+from kdjax import cache, tokenizer
 from kdjax.data import chat, packing, sources, stage
 
 # Llama-3-Instruct's template, verbatim.
@@ -115,7 +115,8 @@ def test_qwen_render_and_spans():
   text, spans = renderer(QWEN, bos=None, eos="<|im_end|>").render(CONVERSATION[1:])
   assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
   assert text.endswith("<|im_start|>assistant\n4, of course.<|im_end|>\n")
-  assert [text[a:b] for a, b in spans] == ["Hello!<|im_end|>\n", "4, of course.<|im_end|>\n"]
+  # The newline the template writes after <|im_end|> is not the model's to generate.
+  assert [text[a:b] for a, b in spans] == ["Hello!<|im_end|>", "4, of course.<|im_end|>"]
 
 
 def test_generation_blocks_agree_with_prefix_rendering():
@@ -201,7 +202,7 @@ def test_bad_messages_and_syntax_errors():
 def test_chat_records_need_a_template(tmp_path):
   path = tmp_path / "chat.jsonl"
   path.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
-  with pytest.raises(sources.DataError, match="no chat_template"):
+  with pytest.raises(sources.DataError, match="no chat template"):
     list(sources.documents(str(path)))
 
 
@@ -235,3 +236,29 @@ def test_conversation_without_assistant_turn_is_skipped(base_tokenizer, tmp_path
                               eval_every=2, loss_mask="assistant")
   assert counts["docs"] == 4 and counts["no_targets"] == 2
   assert counts["train_tokens"] == counts["eval_tokens"] > 0  # one full conversation each
+
+
+def test_smollm2_assistant_targets(smollm2_tokenizer, tmp_path):
+  """SmolLM2-Instruct (transformers 5 layout: the template in chat_template.jinja), through the
+  data stage: the targets are each answer's tokens from its first through <|im_end|>; the role
+  header "<|im_start|>assistant\\n" and the newline after <|im_end|> are not. The header's
+  newline is a loss position: it predicts the answer's first token."""
+  tok = tokenizer.load(smollm2_tokenizer(tmp_path / "smollm2"))
+  conversation = [{"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello there!"},
+                  {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4."}]
+  path = tmp_path / "chat.jsonl"
+  path.write_text((json.dumps({"messages": conversation}) + "\n") * 2)
+  stage.build_stores(str(path), tok, 128, str(tmp_path / "tr"), str(tmp_path / "ev"),
+                     eval_every=2, loss_mask="assistant")
+  row = cache.open(str(tmp_path / "tr")).read(slice(0, 1))
+  tokens, mask = row["tokens"][0], row["loss_mask"][0]
+  assert tok.decode(tokens[1:][mask[:-1]]) == "Hello there!<|im_end|>4.<|im_end|>"
+  text = tok.decode(tokens[row["segment_ids"][0] == 1])
+  assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+  assert text.endswith("<|im_start|>assistant\n4.<|im_end|>\n")  # as the template wrote it
+  header = tok.encode("<|im_start|>assistant\n")
+  first = len(tok.encode(text[:text.index("Hello there!")]))
+  assert list(tokens[first - len(header):first]) == header and mask[first - 1]
+  assert "Hello there!".startswith(tok.decode(tokens[first:first + 1]))
+  assert not mask[first - 2]  # "assistant" does not predict the newline

@@ -76,7 +76,7 @@ def test_empty_split_is_an_error_and_leaves_nothing(tok, tmp_path):
 def test_build_from_config_trains_tokenizer_on_stdlib(tmp_path):
   c = ml_collections.ConfigDict(dict(
       source="stdlib", text_field="text", messages_field="messages", loss_mask="all",
-      max_bytes=60_000, seq_len=32, eval_every=10, tokenizer="", vocab_size=300))
+      max_bytes=60_000, seq_len=32, eval_every=10, eval_source="", tokenizer="", vocab_size=300))
   paths = dict(tokenizer_path=str(tmp_path / "data" / "tokenizer.json"),
                train_path=str(tmp_path / "data" / "train.zarr"),
                eval_path=str(tmp_path / "data" / "eval.zarr"))
@@ -91,3 +91,45 @@ def test_build_from_config_trains_tokenizer_on_stdlib(tmp_path):
   stage.build(c, **paths)  # complete: skipped, tokenizer kept
   assert tokenizer.tokenizer_hash(tokenizer.load(paths["tokenizer_path"])) == \
       tokenizer.tokenizer_hash(tok)
+
+
+def test_documents_separated_by_end_of_text_not_chat_markers(smollm2_tokenizer, tmp_path):
+  """SmolLM2-Instruct's bos/eos (<|im_start|>/<|im_end|>) are chat markers: each plain-text
+  document is followed by <|endoftext|> alone."""
+  tok = tokenizer.load(smollm2_tokenizer(tmp_path / "smollm2"))
+  source = write_jsonl(tmp_path / "d.jsonl", 6)
+  train, eval_ = str(tmp_path / "train.zarr"), str(tmp_path / "eval.zarr")
+  stage.build_stores(source, tok, 16, train, eval_, eval_every=3)
+  store = cache.open(train)
+  assert store.attrs["document_bos"] is None and store.attrs["document_eos"] == "<|endoftext|>"
+  rows = store.read(slice(0, store.num_seqs))
+  texts = [tok.decode(rows["tokens"][r][rows["segment_ids"][r] == s])
+           for r in range(store.num_seqs) for s in range(1, rows["segment_ids"][r].max() + 1)]
+  expected = "".join(f"document {i}: " + "word " * (i % 7) + "<|endoftext|>"
+                     for i in range(6) if i % 3)
+  assert "".join(texts) == expected
+
+
+def test_eval_source_holds_the_eval_store(tok, tmp_path):
+  """data.eval_source: every document of the source is trained on, the eval store holds the
+  held-out file's; the stores record it, so another eval source is refused, not mixed."""
+  source = write_jsonl(tmp_path / "d.jsonl", 7)
+  held_out = tmp_path / "held_out.jsonl"
+  held_out.write_text("".join(json.dumps({"text": f"held out {i}"}) + "\n" for i in range(3)))
+  train, eval_ = str(tmp_path / "train.zarr"), str(tmp_path / "eval.zarr")
+  counts = stage.build_stores(source, tok, 16, train, eval_, eval_every=5,
+                              eval_source=str(held_out), max_bytes=20)
+  assert counts["docs"] == 2 + 3  # max_bytes caps the source only: its first 2 documents
+
+  def texts(path):
+    store = cache.open(path)
+    assert store.attrs["eval_source"] == str(held_out)
+    rows = store.read(slice(0, store.num_seqs))
+    return "".join(tok.decode(rows["tokens"][r][rows["segment_ids"][r] == s])
+                   for r in range(store.num_seqs)
+                   for s in range(1, rows["segment_ids"][r].max() + 1))
+  assert texts(train) == "".join(f"<|bos|>document {i}: " + "word " * (i % 7) + "<|eos|>"
+                                 for i in range(2))
+  assert texts(eval_) == "".join(f"<|bos|>held out {i}<|eos|>" for i in range(3))
+  with pytest.raises(sources.DataError, match="eval_source"):
+    stage.build_stores(source, tok, 16, train, eval_, eval_every=5, max_bytes=20)

@@ -78,6 +78,17 @@ def test_student_moved_towards_teacher(user_run):
   assert results["student"]["kl"] < results["student_init"]["kl"]
 
 
+def test_eval_report_has_the_hf_teacher(user_run):
+  """The Hugging Face teacher is evaluated on the held-out cache it wrote: its KL to its own
+  top-k is ~0 and its top-1 agrees, and its CE is the reference row."""
+  results = json.load(open(user_run / "run" / "eval.json"))
+  assert list(results) == ["student_init", "teacher", "student"]
+  teacher = results["teacher"]
+  assert abs(teacher["kl"]) < 1e-3 and teacher["top1_agreement"] > 0.999
+  assert teacher["positions"] == results["student"]["positions"] > 0
+  assert 0 < teacher["ce"] < 2 * np.log(300)
+
+
 def test_student_with_another_tokenizer_is_refused(user_run):
   work = user_run
   import shutil

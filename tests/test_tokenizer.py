@@ -1,4 +1,5 @@
 """Tokenizer: local BPE training, loading files and HF dirs, hash stability and mismatches."""
+import dataclasses
 import itertools
 import json
 import os
@@ -102,3 +103,50 @@ def test_load_names_what_is_wrong(tmp_path):
   with pytest.raises(FileNotFoundError, match=f"{tmp_path} has no tokenizer.json "
                      r"\(it holds \['config.json', 'model.safetensors'\]\)"):
     tokenizer.load(str(tmp_path))
+
+
+def test_chat_template_beside_the_config(smollm2_tokenizer, smollm2_template, trained, tmp_path):
+  """transformers 5 keeps the template in chat_template.jinja (tokenizer_config.json has none);
+  the legacy chat_template.json is read too; save writes what load reads."""
+  path = smollm2_tokenizer(tmp_path / "smollm2")
+  tok = tokenizer.load(path)
+  assert tok.chat_template == smollm2_template
+  assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 2)
+  tokenizer.save(tok, str(tmp_path / "saved"))
+  assert sorted(os.listdir(tmp_path / "saved")) == ["chat_template.jinja", "tokenizer.json",
+                                                    "tokenizer_config.json"]
+  again = tokenizer.load(str(tmp_path / "saved"))
+  assert again == dataclasses.replace(tok, hf=again.hf)
+  os.remove(os.path.join(path, "chat_template.jinja"))
+  assert tokenizer.load(path).chat_template is None
+  (tmp_path / "smollm2" / "chat_template.json").write_text(
+      json.dumps({"chat_template": smollm2_template}))
+  assert tokenizer.load(path).chat_template == smollm2_template
+  # A directory without tokenizer_config.json still has its template.
+  bare = tmp_path / "bare"
+  tokenizer.save(trained[0], str(bare / "tokenizer.json"))
+  (bare / "chat_template.jinja").write_text("{{ messages }}")
+  assert tokenizer.load(str(bare)).chat_template == "{{ messages }}"
+  assert tokenizer.load(str(bare / "tokenizer.json")).chat_template is None
+
+
+def test_document_separators(smollm2_tokenizer, trained, tmp_path):
+  """An instruct tokenizer's bos/eos are chat markers: documents end with its end-of-text token,
+  and get a bos only where the family expects one (Llama 3); the demo's BPE keeps its own."""
+  smol = tokenizer.load(smollm2_tokenizer(tmp_path / "smollm2"))
+  assert (smol.bos_token, smol.eos_token) == ("<|im_start|>", "<|im_end|>")
+  assert (smol.document_bos, smol.document_eos, smol.document_eos_id) == (None, "<|endoftext|>", 0)
+  demo = trained[0]
+  assert (demo.document_bos_id, demo.document_eos_id) == (demo.bos_id, demo.eos_id) == (0, 1)
+  hf = tokenizers.Tokenizer.from_str(demo.hf.to_str())
+  hf.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"])
+  llama3 = tokenizer.Tokenizer(hf, "<|begin_of_text|>", "<|eot_id|>", None)
+  assert (llama3.document_bos, llama3.document_eos) == ("<|begin_of_text|>", "<|end_of_text|>")
+  base = tokenizer.Tokenizer(hf, "<|begin_of_text|>", "<|end_of_text|>", None)
+  assert base.document_eos == "<|end_of_text|>"
+  # No end-of-text token among the special tokens: the configured eos; an ordinary token that
+  # spells one does not count.
+  plain = tokenizers.Tokenizer(tokenizers.models.BPE({"a": 0, "b": 1}, []))
+  plain.add_tokens(["</s>"])
+  plain.add_special_tokens(["<|end|>"])
+  assert tokenizer.Tokenizer(plain, None, "<|end|>", None).document_eos == "<|end|>"

@@ -71,13 +71,23 @@ def test_distillation_loss_falls_and_logs(tmp_path, rng):
   assert rows[-1]["entropy"] < rows[0]["entropy"]
 
 
-def test_hard_label_loss_is_cross_entropy(tmp_path, rng):
+def test_hard_label_loss_is_cross_entropy(tmp_path, rng, caplog):
+  """The hard-label loss is the CE, and is named so: no kl in the log line or metrics.jsonl
+  (its one-hot "teacher" makes the step's kl the CE itself)."""
   store = make_cache(tmp_path / "c.zarr", rng)
-  fit(tmp_path, store, opt=opt_group(steps=2), hard_labels=True)
+  batch = {k: v[0] for k, v in train.to_step_batch(store.read(np.arange(2)), 1, True).items()}
+  loss = train.LossSettings.from_config(config.base().loss, hard_labels=True)
+  graphdef, params = nnx.split(llama.Transformer(tiny_model_cfg(), rngs=nnx.Rngs(0)))
+  _, metrics = train.loss_fn({"params": params}, graphdef, batch, loss, 1)
+  np.testing.assert_allclose(metrics["kl"], metrics["ce"], rtol=1e-5)
+  with caplog.at_level("INFO"):
+    fit(tmp_path, store, opt=opt_group(steps=2), hard_labels=True)
   rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
   for r in rows:
     np.testing.assert_allclose(r["loss"], r["ce"], rtol=1e-5)
-    np.testing.assert_allclose(r["kl"], r["ce"], rtol=1e-5)
+    assert "kl" not in r and "top1" in r
+  lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("run step")]
+  assert len(lines) == 2 and all(" ce " in line and " kl " not in line for line in lines), lines
 
 
 def crash_at_step_5(tmp_path, monkeypatch, store, name="crashed"):

@@ -7,10 +7,18 @@ with trim_blocks/lstrip_blocks, `raise_exception`, `tojson`, `strftime_now`, and
 Assistant spans (the characters whose tokens are targets with loss_mask="assistant") are found:
   * exactly, from `{% generation %}...{% endgeneration %}` blocks when the template has them;
   * otherwise by rendering prefixes of the conversation: assistant turn i starts where
-    render(messages[:i], add_generation_prompt=True) ends (so the role header is not a target)
-    and ends where render(messages[:i+1]) ends (so the end-of-turn token is one). Both renders
-    must be prefixes of the whole conversation's render; a template that rewrites earlier turns
-    (e.g. drops past reasoning) fails loudly rather than masking the wrong characters.
+    render(messages[:i], add_generation_prompt=True) ends, so the role header with its trailing
+    newline ("<|im_start|>assistant\n") is not a target and the first target is the answer's
+    first token; it ends where render(messages[:i+1]) ends, less the whitespace the template
+    writes after the turn, so the end-of-turn token (<|im_end|>, <|eot_id|>) is the last target
+    (the model learns to stop) and the separator after it ("\n") is not. These are exactly the
+    tokens the model generates at inference. Both renders must be prefixes of the whole
+    conversation's render; a template that rewrites earlier turns (e.g. drops past reasoning)
+    fails loudly rather than masking the wrong characters.
+
+Targets are tokens; the stores' loss_mask marks the position BEFORE each target (position t
+predicts token t+1, kdjax/data/packing.py), so the header's newline, which predicts the answer's
+first token, has loss_mask True while not being a target itself.
 """
 import datetime
 import json
@@ -122,8 +130,9 @@ class Renderer:
             f"cannot locate assistant turn {i}: the template's render of the first turns is not "
             "a prefix of the whole conversation (add {% generation %} blocks to the template, "
             "or use data.loss_mask='all')")
-      if len(before) < len(through):
-        spans.append((len(before), len(through)))
+      start, stop = len(before), len(through.rstrip())
+      if start < stop:
+        spans.append((start, stop))
     return tuple(spans)
 
 

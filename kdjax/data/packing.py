@@ -1,7 +1,10 @@
 """Greedy packing of tokenised documents into fixed-length rows.
 
 Each document becomes [bos] + tokens + [eos] (bos/eos skipped when None or already there;
-`Packer.push(doc, add_specials=False)` adds neither, for chat-template output).
+`Packer.push(doc, add_specials=False)` adds neither, for chat-template output). The data stage
+passes the tokenizer's document separators, `Tokenizer.document_bos_id` / `document_eos_id`
+(kdjax/tokenizer.py decides them: an end-of-text token, a bos only for families that expect
+one), not its configured bos/eos, which in instruct tokenizers are chat markers.
 Documents are placed in order:
 
   * one that fits in the current row's free space goes there;

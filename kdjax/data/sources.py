@@ -88,22 +88,43 @@ def documents(source: str, *, text_field: str = "text", messages_field: str = "m
         return
 
 
-def source_paths(source: str) -> list[str]:
-  """The files named by `source`: comma-separated paths or globs, each glob sorted."""
+def source_paths(source: str, field: str = "data.source") -> list[str]:
+  """The files named by `source`: comma-separated paths or globs, each glob sorted. field: the
+  config field naming them, for the errors."""
   paths = []
   for part in (p.strip() for p in source.split(",") if p.strip()):
     matches = sorted(glob.glob(part)) if glob.has_magic(part) else [part]
     if not matches:
-      raise DataError(f"{part}: no file matches")
+      raise DataError(f"{part} ({field}): no file matches")
     for path in matches:
       if not os.path.exists(path):
-        raise DataError(f"{path}: no such file (data.source takes 'stdlib' or .jsonl/.parquet)")
+        takes = "'stdlib' or " if field == "data.source" else ""
+        raise DataError(f"{path}: no such file ({field} takes {takes}.jsonl/.parquet)")
       if not path.endswith((".jsonl", ".parquet")):
-        raise DataError(f"{path}: unknown format; use .jsonl or .parquet")
+        raise DataError(f"{path} ({field}): unknown format; use .jsonl or .parquet")
       paths.append(path)
   if not paths:
-    raise DataError(f"data source {source!r} names no file")
+    raise DataError(f"{field} {source!r} names no file")
   return paths
+
+
+def chat_file(source: str, messages_field: str, field: str = "data.source") -> str | None:
+  """The first file of `source` whose first record is a chat record (a parquet file: that has
+  the column), or None; for checks before the data stage, which reads every record."""
+  if source == "stdlib":
+    return None
+  for path in source_paths(source, field):
+    if path.endswith(".parquet"):
+      if messages_field in pq.ParquetFile(path).schema_arrow.names:
+        return path
+      continue
+    try:
+      _, record = next(_jsonl_records(path), (None, None))
+    except DataError:  # the data stage names it with its line
+      continue
+    if isinstance(record, dict) and record.get(messages_field) is not None:
+      return path
+  return None
 
 
 def stdlib_files() -> list[str]:
@@ -146,8 +167,9 @@ def _record_document(record, where, text_field, messages_field, renderer) -> Doc
   messages = record.get(messages_field)
   if messages is not None:
     if renderer is None:
-      raise DataError(f"{where}: chat record ({messages_field!r}) but the tokenizer has no "
-                      "chat_template; use a tokenizer dir whose tokenizer_config.json has one")
+      raise DataError(f"{where}: chat record ({messages_field!r}) but the tokenizer has no chat "
+                      "template; use a tokenizer dir with one (chat_template.jinja, or "
+                      "tokenizer_config.json's chat_template)")
     if not messages:
       return Document("")
     try:

@@ -1,9 +1,10 @@
 """The data stage: documents -> tokens -> packed rows -> two k=0 sequence stores (train, eval).
 
 Documents 0, n, 2n, ... (n = eval_every) are held out, so the split depends only on the source's
-order and the eval split is never empty. The number of rows is only known once the source has
-been streamed, so rows are spooled to raw files beside the output and copied into the stores one
-region at a time: memory stays bounded whatever the corpus size.
+order and the eval split is never empty; with `eval_source` every document of the source is
+trained on and the eval store holds that source's documents instead. The number of rows is only
+known once the source has been streamed, so rows are spooled to raw files beside the output and
+copied into the stores one region at a time: memory stays bounded whatever the corpus size.
 """
 import collections
 import logging
@@ -17,7 +18,9 @@ import tqdm
 from kdjax import cache, tokenizer
 from kdjax.data import packing, sources
 
-FORMAT = "kdjax.data/1"
+# 2: plain-text documents separated by Tokenizer.document_bos/eos (were the configured bos/eos);
+# assistant spans end at the end-of-turn token (they held the whitespace after it).
+FORMAT = "kdjax.data/2"
 _ENCODE_BATCH = 64  # documents per encode_batch call (Rust threads tokenise a batch in parallel)
 _ARRAYS = {"tokens": np.int32, "segment_ids": np.int32, "positions": np.int32,
            "loss_mask": np.bool_}
@@ -40,17 +43,18 @@ def build(c, *, tokenizer_path: str, train_path: str, eval_path: str) -> None:
   else:
     texts = (d.text for i, d in enumerate(sources.documents(
         c.source, text_field=c.text_field, messages_field=c.messages_field,
-        max_bytes=c.max_bytes)) if not _held_out(i, c.eval_every))
+        max_bytes=c.max_bytes)) if c.eval_source or not _held_out(i, c.eval_every))
     logging.info("training a %d-token BPE on %s", c.vocab_size, c.source)
     tok = tokenizer.train_bpe(texts, c.vocab_size, tokenizer_path)
   build_stores(c.source, tok, c.seq_len, train_path, eval_path, eval_every=c.eval_every,
-               max_bytes=c.max_bytes, text_field=c.text_field, messages_field=c.messages_field,
-               loss_mask=c.loss_mask)
+               eval_source=c.eval_source, max_bytes=c.max_bytes, text_field=c.text_field,
+               messages_field=c.messages_field, loss_mask=c.loss_mask)
 
 
 def build_stores(source: str, tok: tokenizer.Tokenizer, seq_len: int, train_path: str,
-                 eval_path: str, *, eval_every: int, max_bytes: int = 0, text_field: str = "text",
-                 messages_field: str = "messages", loss_mask: str = "all") -> dict:
+                 eval_path: str, *, eval_every: int, eval_source: str = "", max_bytes: int = 0,
+                 text_field: str = "text", messages_field: str = "messages",
+                 loss_mask: str = "all") -> dict:
   """Tokenises and packs `source` into two k=0 stores; skips work if both are complete.
 
   Args:
@@ -59,7 +63,9 @@ def build_stores(source: str, tok: tokenizer.Tokenizer, seq_len: int, train_path
     seq_len: tokens per row.
     train_path, eval_path: output store directories.
     eval_every: documents 0, eval_every, 2 * eval_every, ... go to the eval store.
-    max_bytes: stop reading after this many bytes of text; 0 = no cap.
+    eval_source: .jsonl/.parquet paths of held-out documents: when set, the eval store holds
+      them (read whole) and every document of `source` goes to the train store.
+    max_bytes: stop reading `source` after this many bytes of text; 0 = no cap.
     text_field, messages_field, loss_mask: see `sources.documents`.
 
   Returns:
@@ -68,34 +74,49 @@ def build_stores(source: str, tok: tokenizer.Tokenizer, seq_len: int, train_path
   """
   tok_hash = tokenizer.tokenizer_hash(tok)
   identity = {"tokenizer_hash": tok_hash, "source": source, "data_format": FORMAT,
-              "eval_every": eval_every, "max_bytes": max_bytes, "loss_mask": loss_mask,
-              "text_field": text_field, "messages_field": messages_field}
+              "eval_every": eval_every, "eval_source": eval_source, "max_bytes": max_bytes,
+              "loss_mask": loss_mask,
+              "text_field": text_field, "messages_field": messages_field,
+              # tokenizer_config.json, which decides them, is not in the tokenizer's hash
+              "document_bos": tok.document_bos, "document_eos": tok.document_eos}
   if _complete(train_path, seq_len, identity) and _complete(eval_path, seq_len, identity):
     logging.info("data: %s and %s are complete; skipping", train_path, eval_path)
     return {}
   counts = collections.Counter()
-  docs = sources.documents(source, text_field=text_field, messages_field=messages_field,
-                           chat_template=tok.chat_template, bos_token=tok.bos_token,
-                           eos_token=tok.eos_token, loss_mask=loss_mask, max_bytes=max_bytes,
-                           counts=counts)
-  packers = [packing.Packer(seq_len, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id or 0)
-             for _ in range(2)]
+  docs = lambda path, cap, counter: sources.documents(
+      path, text_field=text_field, messages_field=messages_field,
+      chat_template=tok.chat_template, bos_token=tok.bos_token, eos_token=tok.eos_token,
+      loss_mask=loss_mask, max_bytes=cap, counts=counter)
+  # (documents, split of the i-th one: 0 train, 1 eval)
+  if eval_source:
+    eval_counts = collections.Counter()  # its own: max_bytes caps data.source only
+    streams = [(docs(source, max_bytes, counts), lambda i: 0),
+               (docs(eval_source, 0, eval_counts), lambda i: 1)]
+  else:
+    streams = [(docs(source, max_bytes, counts), lambda i: int(_held_out(i, eval_every)))]
+  packers = [packing.Packer(seq_len, bos_id=tok.document_bos_id, eos_id=tok.document_eos_id,
+                            pad_id=tok.pad_id or 0) for _ in range(2)]
   spools = [_Spool(f"{path}.rows.tmp", seq_len) for path in (train_path, eval_path)]
   try:
-    for i, (doc, ids, targets) in enumerate(_tokenized(docs, tok)):
-      if not targets.any():  # e.g. no assistant turn under loss_mask="assistant": nothing to learn
-        counts["no_targets"] += 1
-        continue
-      split = int(_held_out(i, eval_every))
-      counts[("train_tokens", "eval_tokens")[split]] += len(ids)
-      spools[split].extend(packers[split].push((ids, targets), add_specials=not doc.templated))
+    for stream, split_of in streams:
+      for i, (doc, ids, targets) in enumerate(_tokenized(stream, tok)):
+        if not targets.any():  # e.g. no assistant turn under loss_mask="assistant"
+          counts["no_targets"] += 1
+          continue
+        split = split_of(i)
+        counts[("train_tokens", "eval_tokens")[split]] += len(ids)
+        spools[split].extend(packers[split].push((ids, targets), add_specials=not doc.templated))
+    if eval_source:
+      counts.update(eval_counts)
     for packer, spool in zip(packers, spools):
       spool.extend(packer.close())
     for split, spool in zip(("train", "eval"), spools):
       if spool.rows == 0:
+        where = eval_source if eval_source and split == "eval" else source
         raise sources.DataError(
-            f"{source}: the {split} split is empty ({counts['docs']} documents, "
-            f"eval_every={eval_every}); add data or change data.eval_every / data.max_bytes")
+            f"{where}: the {split} split is empty ({counts['docs']} documents, "
+            f"eval_every={eval_every}, eval_source={eval_source!r}); add data or change "
+            "data.eval_every / data.eval_source / data.max_bytes")
       counts[f"{split}_rows"] = spool.rows
     attrs = {**identity, "documents": counts["docs"], "empty_documents": counts["empty"],
              "documents_without_targets": counts["no_targets"]}
