@@ -3,6 +3,7 @@ fewer layers is the teacher run with those layers, narrower widths hold the teac
 the kept indices, and what is dropped is what the calibration rows show unimportant."""
 import dataclasses
 import functools
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -153,3 +154,54 @@ def test_moe_teacher_is_refused():
 def test_layer_choices_are_checked(layers, message):
   with pytest.raises(ValueError, match=message):
     prune.check_layers(layers, 4, 3)
+
+
+def test_config_checks_of_init():
+  from kdjax import config
+  c = config.base()
+  c.init.from_teacher = True
+  c.teacher.update(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128)
+  c.student.update(n_layers=2, d_model=32, n_heads=2, n_kv_heads=1, d_ff=64)
+  config.validate(c)
+  for group, field, value, message in [
+      ("student", "d_ff", 256, "student.d_ff (256) must be in [1, the teacher's 128]"),
+      ("student", "hf_path", "/x", "set student.hf_path=''"),
+      ("init", "layers", (0, 1, 2), "init.layers lists 3 layers but student.n_layers is 2"),
+      ("init", "layers", (0, 4), "indices of the teacher's 4 layers"),
+      ("init", "calibration_rows", 0, "init.calibration_rows must be >= 1")]:
+    bad = c.copy_and_resolve_references()
+    bad[group][field] = value
+    with pytest.raises(ValueError, match=re.escape(message)):
+      config.validate(bad)
+
+
+@pytest.mark.slow
+def test_demo_student_pruned_from_the_pretrained_teacher_starts_far_better(tmp_path):
+  """configs/demo.py:smoke with init.from_teacher: the pretrained teacher (2 layers, d_model 64,
+  4 heads, d_ff 128) pruned to 1 layer, d_model 48, 2 heads, d_ff 96 starts far closer to the
+  teacher than a random init of those shapes."""
+  import json
+  import os
+  import subprocess
+  import sys
+  from kdjax import cache, evaluate
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  workdir = tmp_path / "w"
+  out = subprocess.run(
+      [sys.executable, "-m", "kdjax.main", f"--config={root}/configs/demo.py:smoke",
+       f"--config.workdir={workdir}", "--config.init.from_teacher=True",
+       "--config.stages=('data', 'pretrain', 'cache', 'train', 'eval')",
+       "--config.pretrain.steps=12", "--config.eval.max_seqs=16", "--config.student.d_model=48",
+       "--config.student.d_ff=96"],
+      capture_output=True, text=True, cwd=root, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert out.returncode == 0, out.stderr[-4000:]
+  assert "student pruned from its teacher" in out.stderr
+  results = json.load(open(workdir / "eval.json"))
+  assert set(results) == {"student_init", "teacher", "student"}
+  shapes = json.load(open(workdir / "config.json"))["student"]
+  random_cfg = llama.ModelConfig.from_config(shapes, vocab_size=512)  # the smoke tokenizer
+  random = evaluate.evaluate(llama.Transformer(random_cfg, rngs=nnx.Rngs(0)),
+                             cache.open(str(workdir / "cache" / "eval.zarr")), batch_size=8,
+                             max_seqs=16, chunk_size=None)
+  pruned = results["student_init"]
+  assert pruned["kl"] < 0.7 * random["kl"] and pruned["ce"] < random["ce"]

@@ -54,6 +54,15 @@ def student_config(teacher_cfg: llama.ModelConfig, **values) -> llama.ModelConfi
   return cfg.validate("student.")
 
 
+def group_config(teacher_cfg: llama.ModelConfig, group, layers=()) -> llama.ModelConfig:
+  """student_config with the PRUNED and NUMERICS fields of a config group (c.student); the
+  chosen layers (c.init.layers, () = measured) are checked against it."""
+  cfg = student_config(teacher_cfg, **{name: group[name] for name in PRUNED + NUMERICS})
+  if layers:
+    check_layers(layers, teacher_cfg.n_layers, cfg.n_layers)
+  return cfg
+
+
 def check_layers(layers, teacher_layers: int, n_layers: int) -> None:
   """Chosen layers: n_layers distinct teacher layer indices, in increasing order."""
   layers = tuple(layers)
