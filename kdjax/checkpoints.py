@@ -66,6 +66,13 @@ def _meta(model_cfg: llama.ModelConfig) -> dict:
   return json.loads(json.dumps(dataclasses.asdict(model_cfg), default=dict))
 
 
+def has_checkpoint(workdir: str) -> bool:
+  """Whether a run in `workdir` has a checkpoint to resume from (orbax names each by its step;
+  unfinished writes carry a suffix)."""
+  directory = os.path.join(workdir, "ckpt")
+  return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+
+
 def restore_finished(workdir: str, model_cfg: llama.ModelConfig, steps: int):
   """The model a run in `workdir` trained, if it finished (a checkpoint at step >= steps), else
   None. Reads the parameters only: restoring a 3B student this way reads 13 GB, not 38."""

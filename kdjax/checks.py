@@ -5,6 +5,7 @@ import os
 
 from kdjax import tokenizer
 from kdjax.data import sources
+from kdjax.models import prune
 
 
 def check_inputs(c, tokenizer_path: str) -> None:
@@ -32,11 +33,15 @@ def check_inputs(c, tokenizer_path: str) -> None:
     group = c[role]
     if role == "teacher" and not stages & {"pretrain", "cache"} and not group.hf_path:
       continue
+    if role == "student" and c.init.from_teacher:
+      continue  # pruned from the teacher: its vocabulary is the teacher's
     if group.hf_path:
       from kdjax.models import hf  # lazily, as pipeline does
       cfg = hf.config_from_hf(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
                               tokenizer_vocab=vocab)
       _same_tokenizer(role, group.hf_path, tok, tokenizer_path)
+      if role == "teacher" and c.init.from_teacher:
+        prune.group_config(cfg, c.student, c.init.layers)  # names the field that cannot fit
       output_vocab[role] = cfg.output_vocab_size
     elif group.vocab_size or vocab:
       output_vocab[role] = group.vocab_size or vocab

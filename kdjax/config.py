@@ -12,7 +12,7 @@ import ml_collections
 from kdjax.cache.layout import LAYOUTS
 from kdjax.data.sources import LOSS_MASKS
 from kdjax.kernels import IMPLS
-from kdjax.models import llama
+from kdjax.models import llama, prune
 from kdjax.parallel import TEACHER_DEVICES
 from kdjax.train import OBJECTIVES, STATE_MEMORIES
 
@@ -91,6 +91,14 @@ def base() -> ml_collections.ConfigDict:
   c.pretrain = opt_group()  # only when the teacher is trained here (stage "pretrain")
 
   c.student = model_group(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=384)
+
+  # The student's starting point (kdjax/models/prune.py). With from_teacher, its n_layers,
+  # d_model, n_heads, n_kv_heads and d_ff (and dtype, param_dtype, remat, attention_impl) come from
+  # c.student, every other field (vocab, head_dim, RoPE, norms, tying, biases) from the teacher.
+  c.init = ml_collections.ConfigDict()
+  c.init.from_teacher = False  # start the student from its teacher, pruned to the student's shapes
+  c.init.layers = ()  # teacher layers kept, in order; () = the student.n_layers most important
+  c.init.calibration_rows = 16  # rows of the train data the importances are measured on
 
   c.cache = ml_collections.ConfigDict()
   c.cache.path = ""  # cache directory; "" = <workdir>/cache
@@ -185,6 +193,24 @@ def _check_opt(name: str, g):
            f"{name}.state_memory must be one of {STATE_MEMORIES}, got {g.state_memory!r}")
 
 
+def _check_init(c):
+  _require(c.init.calibration_rows >= 1,
+           f"init.calibration_rows must be >= 1, got {c.init.calibration_rows}")
+  if not c.init.from_teacher:
+    _require(not c.init.layers, "init.layers chooses the teacher layers a pruned student keeps: "
+             "set init.from_teacher=True, or init.layers=()")
+    return
+  _require(not c.student.hf_path, "init.from_teacher prunes the teacher into the student: "
+           "set student.hf_path='' (or init.from_teacher=False to start from that checkpoint)")
+  if c.teacher.hf_path:
+    return  # the teacher's shapes are known once its config.json is read (checks.check_inputs)
+  try:
+    prune.group_config(llama.ModelConfig.from_config(c.teacher, vocab_size=1), c.student,
+                       c.init.layers)
+  except ValueError as e:
+    _require(False, str(e).rstrip("."))
+
+
 def validate(c: ml_collections.ConfigDict):
   """Raises ValueError naming the field set wrong, its value and the allowed values."""
   unknown = [s for s in c.stages if s not in STAGES]
@@ -230,6 +256,7 @@ def validate(c: ml_collections.ConfigDict):
   _check_model("student", c.student)
   _require("pretrain" not in c.stages or not c.teacher.hf_path,
            "stage 'pretrain' trains a teacher from scratch; drop it when teacher.hf_path is set")
+  _check_init(c)
   _check_opt("opt", c.opt)
   _check_opt("pretrain", c.pretrain)
   for f in ("data", "fsdp", "tensor"):

@@ -24,7 +24,7 @@ from flax import nnx
 
 from kdjax import (cache, checkpoints, checks, config, data, evaluate, parallel, plots, teacher,
                    tokenizer, train)
-from kdjax.models import llama
+from kdjax.models import llama, prune
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +93,44 @@ def model_config_of(group, vocab_size: int) -> llama.ModelConfig:
   return model_config(group, vocab_size)
 
 
+def shapes_of(c, group, vocab_size: int) -> llama.ModelConfig:
+  """model_config_of, except that a student pruned from its teacher (init.from_teacher) has the
+  teacher's shapes with the student's pruned dims: one answer for training, eval and export."""
+  if group is c.student and c.init.from_teacher:
+    return prune.group_config(model_config_of(c.teacher, vocab_size), group, c.init.layers)
+  return model_config_of(group, vocab_size)
+
+
+def start_model(c, paths: Paths, group, vocab_size: int, mesh=None, resuming: bool = False):
+  """new_model, except that a student pruned from its teacher is pruned here; when resuming, a
+  random model of its shapes, as the checkpoint replaces its values."""
+  if not (group is c.student and c.init.from_teacher):
+    return new_model(group, vocab_size, c.seed, mesh)
+  cfg = shapes_of(c, group, vocab_size)
+  if resuming:
+    return llama.Transformer(cfg, rngs=nnx.Rngs(c.seed)), cfg
+  return pruned_student(c, paths, cfg, mesh), cfg
+
+
+def pruned_student(c, paths: Paths, cfg: llama.ModelConfig, mesh=None) -> nnx.Module:
+  """The teacher pruned to cfg, importances measured on the train data's first rows."""
+  model = load_teacher(c, paths, mesh)
+  store = cache.open(paths.data("train"))
+  rows = store.read(slice(0, min(c.init.calibration_rows, store.num_seqs)), hidden=False)
+  student, kept = prune.from_teacher(model, cfg, rows, layers=c.init.layers,
+                                     batch_size=c.cache.batch_size)
+  t = model.cfg
+  logging.info("student pruned from its teacher (%d rows): layers %s of %d, d_model %d/%d, "
+               "heads %d/%d (kv %d/%d), d_ff %d/%d; %.2fM of %.2fM parameters",
+               len(rows["tokens"]), list(kept.layers), t.n_layers, cfg.d_model, t.d_model,
+               cfg.n_heads, t.n_heads, cfg.n_kv_heads, t.n_kv_heads, cfg.d_ff, t.d_ff,
+               llama.count_params(student) / 1e6, llama.count_params(model) / 1e6)
+  return student
+
+
 def finished_model(c, paths: Paths, name: str, group, opt):
   """The model run `name` trained, parameters only, if it finished; else None."""
-  cfg = model_config_of(group, load_tokenizer(c, paths).vocab_size)
+  cfg = shapes_of(c, group, load_tokenizer(c, paths).vocab_size)
   return checkpoints.restore_finished(paths.run(name), cfg, opt.steps)
 
 
@@ -107,14 +142,15 @@ def stage_data(c, paths: Paths):
 def _fit(c, paths, name, group, opt, open_store, hard_labels, teacher=None):
   """Trains the model of `group` on open_store(model_cfg); a finished run is restored instead."""
   vocab = load_tokenizer(c, paths).vocab_size
-  shapes = model_config_of(group, vocab)
+  shapes = shapes_of(c, group, vocab)
   store = open_store(shapes)  # refuses a mismatch, finished or not
   done = checkpoints.restore_finished(paths.run(name), shapes, opt.steps)
   if done is not None:
     logging.info("%s: finished (step %d), restored", name, opt.steps)
     return done, done.cfg
   mesh = parallel.make_mesh(c.mesh)
-  model, cfg = new_model(group, vocab, c.seed, mesh)
+  model, cfg = start_model(c, paths, group, vocab, mesh,
+                           resuming=checkpoints.has_checkpoint(paths.run(name)))
   model = train.fit(name=name, model=model, model_cfg=cfg, store=store,
                     workdir=paths.run(name), opt=opt, loss_cfg=c.loss, hard_labels=hard_labels,
                     seed=c.seed, teacher=teacher, mesh=mesh)
@@ -223,7 +259,7 @@ def stage_eval(c, paths: Paths):
                                       max_seqs=c.eval.max_seqs,
                                       chunk_size=c.loss.chunk_size or None, desc=f"eval {name}")
 
-  measure("student_init", new_model(c.student, vocab, c.seed)[0])
+  measure("student_init", start_model(c, paths, c.student, vocab)[0])
   if c.teacher.hf_path:
     # Its own held-out CE is the reference the students are measured against; its KL to the
     # top-k it cached is ~0 (up to cache.layout's quantisation) and its top-1 agreement ~1.

@@ -185,10 +185,15 @@ class Block(nnx.Module):
     out = jnp.einsum("btd,dhe->bthe", y_BxTxD, getattr(self, name)[...].astype(dt))
     return out + getattr(self, bias)[...].astype(dt)[None, None] if self.cfg.attention_bias else out
 
-  def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, inv_freq, max_documents):
+  def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, inv_freq, max_documents,
+               taps: dict | None = None):
+    """taps: a dict that receives the inner activations pruning measures (models/prune.py):
+    the normed inputs y_attn_BxTxD and y_mlp_BxTxD, the heads' outputs a_BxTxHxE (before wo)
+    and the SwiGLU's h_BxTxF. Unread, they cost nothing under jit."""
+    taps = {} if taps is None else taps
     cfg = self.cfg
     dt = DTYPES[cfg.dtype]
-    y_BxTxD = rms_norm(x_BxTxD, self.attn_norm_D[...], cfg.norm_eps)
+    y_BxTxD = taps["y_attn_BxTxD"] = rms_norm(x_BxTxD, self.attn_norm_D[...], cfg.norm_eps)
     q_BxTxHxE = self._project(y_BxTxD, "wq_DxHxE", "bq_HxE")
     k_BxTxGxE = self._project(y_BxTxD, "wk_DxGxE", "bk_GxE")
     v_BxTxGxE = self._project(y_BxTxD, "wv_DxGxE", "bv_GxE")
@@ -198,7 +203,7 @@ class Block(nnx.Module):
     rope_scale = rope.attention_factor(cfg)
     q_BxTxHxE = rope.apply(q_BxTxHxE, positions_BxT, inv_freq, rope_scale)
     k_BxTxGxE = rope.apply(k_BxTxGxE, positions_BxT, inv_freq, rope_scale)
-    a_BxTxHxE = attention_lib.attention(
+    a_BxTxHxE = taps["a_BxTxHxE"] = attention_lib.attention(
         q_BxTxHxE, k_BxTxGxE, v_BxTxGxE, segment_ids_BxT, cfg.attention_impl, max_documents,
         sinks_H=self.sinks_H[...] if cfg.attention_sinks else None, window=self.window)
     o_BxTxD = jnp.einsum("bthe,hed->btd", a_BxTxHxE, self.wo_HxExD[...].astype(dt))
@@ -206,12 +211,12 @@ class Block(nnx.Module):
       o_BxTxD = o_BxTxD + self.bo_D[...].astype(dt)[None, None]
     x_BxTxD = x_BxTxD + o_BxTxD
 
-    y_BxTxD = rms_norm(x_BxTxD, self.mlp_norm_D[...], cfg.norm_eps)
+    y_BxTxD = taps["y_mlp_BxTxD"] = rms_norm(x_BxTxD, self.mlp_norm_D[...], cfg.norm_eps)
     if cfg.n_experts:
       return x_BxTxD + self.moe(y_BxTxD)
     gate_BxTxF = jnp.einsum("btd,df->btf", y_BxTxD, self.w_gate_DxF[...].astype(dt))
     up_BxTxF = jnp.einsum("btd,df->btf", y_BxTxD, self.w_up_DxF[...].astype(dt))
-    h_BxTxF = jax.nn.silu(gate_BxTxF) * up_BxTxF
+    h_BxTxF = taps["h_BxTxF"] = jax.nn.silu(gate_BxTxF) * up_BxTxF
     return x_BxTxD + jnp.einsum("btf,fd->btd", h_BxTxF, self.w_down_FxD[...].astype(dt))
 
 
