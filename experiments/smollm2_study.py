@@ -141,10 +141,19 @@ def launch(args) -> int:
   env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
          "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.9 / args.processes:.2f}"}
   token = f"{os.getpid()}-{time.time():.0f}"
-  children = [subprocess.Popen([sys.executable, __file__, *argv, "--claim", token], env=env)
+  # Sessions of their own: a signal to this process group (timeout, Ctrl-C) reaches them once,
+  # through the handler below, never twice (a second one would interrupt their checkpoint).
+  children = [subprocess.Popen([sys.executable, __file__, *argv, "--claim", token], env=env,
+                               start_new_session=True)
               for _ in range(args.processes)]
-  signal.signal(signal.SIGTERM, lambda *_: [p.send_signal(signal.SIGTERM) for p in children])
-  return max(p.wait() for p in children)
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: [p.send_signal(signal.SIGTERM) for p in children])
+  try:
+    return max(p.wait() for p in children)
+  finally:  # never leave one running (its own session would outlive a killed terminal)
+    for p in children:
+      if p.poll() is None:
+        p.kill()
 
 
 def read_results(path: str) -> dict:
@@ -262,7 +271,8 @@ def main():
   parser.add_argument("--processes", type=int, default=1,
                       help="N processes share the arms and the GPU (small students leave it idle)")
   parser.add_argument("--claim", default="", help=argparse.SUPPRESS)  # set by --processes
-  parser.add_argument("--prepare-only", action="store_true", help="data and cache, then stop")
+  parser.add_argument("--prepare-only", action="store_true",
+                      help="data, cache and the teacher's own evaluation, then stop")
   parser.add_argument("--perplexity", action="store_true",
                       help="export every measured arm and score it with transformers")
   parser.add_argument("--hf-python", default=sys.executable,
@@ -280,11 +290,11 @@ def main():
     return
   prep = prep_config(args.root, args.variant)
   if args.processes > 1 and not args.perplexity:
-    pipeline.run(prep)  # once, before the processes share its outputs
-    sys.exit(launch(args))
+    # This process stays off the GPU: a process of its own prepares, then N share the arms.
+    rc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--processes=1",
+                         "--prepare-only"]).returncode
+    sys.exit(rc or launch(args))
   pipeline.run(prep)
-  if args.prepare_only:
-    return
   paths = pipeline.Paths.from_config(prep)
   teacher = pipeline.load_teacher(prep, paths)
   if args.perplexity:
@@ -292,11 +302,13 @@ def main():
     return
   eval_store = cache.open(paths.data("eval"))
   teacher_json = os.path.join(prep.workdir, "teacher_eval.json")
-  if not os.path.exists(teacher_json):
+  if not os.path.exists(teacher_json):  # the teacher's own held-out CE: the students' floor
     own = evaluate.evaluate_online(teacher, teacher, eval_store, batch_size=prep.eval.batch_size,
                                    max_seqs=args.eval_rows)
     with open(teacher_json, "w") as f:
       json.dump(own, f)
+  if args.prepare_only:
+    return
   with open(teacher_json) as f:
     args.teacher_ce = json.load(f)["ce"]
   os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
