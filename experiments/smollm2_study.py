@@ -211,11 +211,15 @@ def perplexity(prep, root: str, teacher, args):
 
 def table(lines: list[dict]) -> str:
   columns = ("init", "objective", "k", "train tokens", "seed", "CE", "full KL", "top-1", "ECE",
-             "HF ppl")
+             f"transformers ppl, {PERPLEXITY_ROWS} rows (its CE; kdjax's)")
   out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+  order = {"hard": 0, "online": 1, "tail": 2, "sparse": 3}
+  lines = sorted(lines, key=lambda r: (-r["tokens"], r["init"], r["seed"], order[r["objective"]],
+                                       -r["k"], r["hidden"]))
   for r in lines:
     objective = r["objective"] + (" + hidden" if r["hidden"] else "")
-    ppl = f"{r['hf_ppl']:.2f}" if "hf_ppl" in r else "-"
+    ppl = (f"{r['hf_ppl']:.2f} ({r['hf_ce']:.4f}; {r['kdjax_ce_rows']:.4f})" if "hf_ppl" in r
+           else "-")
     out.append(f"| {r['init']} | {objective} | {r['k'] or '-'} | {r['train_tokens'] / 1e6:.1f}M | "
                f"{r['seed']} | {r['ce']:.4f} | {r['full_kl']:.4f} | {r['top1']:.4f} | "
                f"{r['ece']:.4f} | {ppl} |")
