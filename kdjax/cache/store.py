@@ -108,7 +108,7 @@ class Store:
     # resumable) if the defaults of layout.py change.
     if create and not os.path.exists(os.path.join(self.path, name, "zarr.json")):
       spec["metadata"] = layout_lib.array_metadata(name, self.shape(name), self.dtypes[name],
-                                                   self.region_rows)
+                                                   self.region_rows, self.layout)
     return spec
 
   def require_hidden(self):
