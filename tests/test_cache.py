@@ -240,3 +240,23 @@ def test_overwriting_a_finished_region_unrecords_it_until_written(tmp_path, monk
   got = cache.open(tmp_path / "s").read(slice(0, 10))["topk_ids"]
   np.testing.assert_array_equal(got[5:7], new["topk_ids"])
   np.testing.assert_array_equal(got[[4, 7]], rows["topk_ids"][[4, 7]])
+
+
+def test_the_notebook_decodes_a_packed_cache(tmp_path, make_rows, new_store, monkeypatch):
+  """notebooks/explore_cache.ipynb reads a packed cache with plain tensorstore / zarr-python and
+  its own decoding: every top-1 is p = 0.5 here, and it reports that."""
+  nbformat = pytest.importorskip("nbformat")
+  nbclient = pytest.importorskip("nbclient")
+  rows = make_rows(np.random.default_rng(0), 10)
+  rows["topk_logprobs"] = np.minimum(rows["topk_logprobs"], np.log(0.4))  # still sorted
+  rows["topk_logprobs"][..., 0] = np.log(0.5)
+  new_store(tmp_path / "s", layout_name="packed").write(0, rows)
+  path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "notebooks",
+                      "explore_cache.ipynb")
+  notebook = nbformat.read(path, as_version=4)
+  monkeypatch.setenv("KDJAX_CACHE", str(tmp_path / "s"))
+  nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3",
+                          resources={"metadata": {"path": str(tmp_path)}}).execute()
+  text = "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                 for out in cell.outputs)
+  assert "top-1 probability      mean 0.500" in text, text
