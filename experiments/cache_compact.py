@@ -21,6 +21,7 @@ layout (all arrays, manifest included) in bytes per position. Prints markdown ta
 nothing outside --out.
 """
 import argparse
+import functools
 import os
 import shutil
 import tempfile
@@ -81,10 +82,11 @@ def disk_bytes(path, arr, region_rows, shuffle):
              for root, _, names in os.walk(path) for name in names if name != "zarr.json")
 
 
+@functools.partial(jax.jit, static_argnames="objective")  # compiled once per objective
 def loss_and_grads(hidden, lm_head, ids, logprobs, mask, objective):
   fn = lambda h, w: kernels.topk_kl_loss(h, w, ids, logprobs, mask, objective=objective,
                                          impl="xla")
-  return jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(hidden, lm_head)
+  return jax.value_and_grad(fn, argnums=(0, 1))(hidden, lm_head)
 
 
 def rel(a, b):
@@ -152,13 +154,52 @@ def synthetic(rows, seq_len, k, vocab, *, zipf=1.05, overlap=0.4, seed=0):
           "positions": np.tile(np.arange(seq_len, dtype=np.int32), (rows, 1))}, vocab
 
 
+def id_codings(ids, vocab, out, region_rows):
+  """Bytes per position of other codings of the ids (not layouts: ideas measured), and bounds."""
+  rows, seq_len, k = ids.shape
+  wide = "uint16" if vocab <= 2**16 else "uint32"
+  size = lambda arr, shuffle: disk_bytes(os.path.join(out, "x"), arr, region_rows,
+                                         shuffle) / (rows * seq_len)
+  flat = ids.reshape(rows, -1).astype(np.int64)
+  counts = np.bincount((np.arange(rows)[:, None] * vocab + flat).ravel(),
+                       minlength=rows * vocab).reshape(rows, vocab)
+  by_count = np.argsort(-counts, axis=1, kind="stable")  # a row's ids, most frequent first
+  rank = np.empty_like(by_count)
+  np.put_along_axis(rank, by_count, np.arange(vocab)[None].repeat(rows, 0), 1)
+  index = np.take_along_axis(rank, flat, 1).reshape(ids.shape)
+  kinds = (counts > 0).sum(1).max()
+  dictionary = size(by_count[:, :kinds].astype(wide), "shuffle")
+  gaps = lambda x: np.diff(np.sort(x, -1), axis=-1, prepend=0).astype(wide)
+  share = np.bincount(flat.ravel(), minlength=vocab) / flat.size
+  entropy = -np.sum(share[share > 0] * np.log2(share[share > 0])) * k / 8
+  previous = np.sort(ids[:, :-1], -1)
+  pos = np.arange(rows)[:, None, None] * seq_len + np.arange(seq_len - 1)[None, :, None]
+  keys_prev = np.sort((pos * vocab + previous).ravel())
+  keys = (pos * vocab + ids[:, 1:]).ravel()
+  shared = keys_prev[np.minimum(np.searchsorted(keys_prev, keys), keys_prev.size - 1)] == keys
+  print(f"\nids ({rows} x {seq_len} positions), bytes/position; "
+        f"{shared.mean():.0%} of a position's ids are in the previous position's top-{k}\n")
+  print("| coding of the ids | B/pos |\n|---|---|")
+  for name, value in (
+      ("by rank, bit shuffle", size(ids.astype(wide), "bitshuffle")),
+      ("by rank, byte shuffle (packed)", size(ids.astype(wide), "shuffle")),
+      ("by rank, order-0 entropy of the ids (ideal coder, no context)", entropy),
+      ("by rank as indices into the row's ids by frequency, + that dictionary",
+       size(index.astype(wide), "shuffle") + dictionary),
+      ("the set alone (ascending gaps; the rank order lost)", size(gaps(ids), "shuffle")),
+      ("the set alone as ascending frequency indices, + dictionary",
+       size(gaps(index), "shuffle") + dictionary)):
+    print(f"| {name} | {value:.1f} |")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--cache", default="", help="float32 teacher cache; empty: synthetic teacher")
   parser.add_argument("--rows", type=int, default=256, help="rows of the cache to use")
   parser.add_argument("--dim", type=int, default=64, help="random student's width D")
   parser.add_argument("--students", default="random,near",
-                      help="comma-separated: random (start of training), near (late; D = V)")
+                      help="comma-separated: random (start of training), near (late; D = V); "
+                           "empty: bytes only")
   parser.add_argument("--out", default="", help="scratch directory (default: a temporary one)")
   parser.add_argument("--allow-partial", action="store_true",
                       help="read the finished regions of a cache still being written")
@@ -206,7 +247,7 @@ def main():
   few = max(1, min(num_rows, args.loss_positions // seq_len))
   ids, logprobs, mask = ids[:few], logprobs[:few], jnp.asarray(rows["loss_mask"][:few])
   print(f"errors on the first {few} rows ({few * seq_len} positions)")
-  for kind in args.students.split(","):
+  for kind in filter(None, args.students.split(",")):
     hidden, lm_head, about = student(kind, ids, logprobs, vocab, args.dim)
     reference = {obj: loss_and_grads(hidden, lm_head, jnp.asarray(ids), jnp.asarray(logprobs),
                                       mask, obj) for obj in OBJECTIVES}
@@ -224,6 +265,8 @@ def main():
                                      rel(g_hidden, g_hidden32), rel(g_head, g_head32)])
       print(f"| {name} | {ids_bpp:.1f} | {lp_bpp:.1f} | {ids_bpp + lp_bpp:.1f} | {errors[0]:.1e} | "
             f"{errors[1]:.1e} | {errors[2]:.1e} |", flush=True)
+
+  id_codings(rows["topk_ids"], vocab, out, region_rows)
 
   # The stores themselves (all arrays, manifest included), as kdjax writes them.
   if "tokens" in rows:
