@@ -56,7 +56,7 @@ def candidates(vocab_size):
     for offset in (5, 7, 9):
       out[f"packed levels 2^-{bits}, p0 2^-{offset}"] = (wide, "uint16", 2.0**-bits, both,
                                                           2.0**-offset)
-  out["packed levels 2^-12, p0 2^-7, byte shuffle for ids (packed)"] = (
+  out["packed levels 2^-12, p0 2^-9, byte shuffle for ids (packed)"] = (
       wide, "uint16", layout.PACKED_SCALE, "shuffle", layout.PACKED_OFFSET)
   return out
 
