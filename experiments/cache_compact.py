@@ -266,6 +266,10 @@ def main():
       print(f"| {name} | {ids_bpp:.1f} | {lp_bpp:.1f} | {ids_bpp + lp_bpp:.1f} | {errors[0]:.1e} | "
             f"{errors[1]:.1e} | {errors[2]:.1e} |", flush=True)
 
+  if not args.students:
+    print("\n| encoding | ids B/pos | log-probs B/pos | top-k B/pos |\n|---|---|---|---|")
+    for name, (ids_bpp, lp_bpp, _) in encoded.items():
+      print(f"| {name} | {ids_bpp:.1f} | {lp_bpp:.1f} | {ids_bpp + lp_bpp:.1f} |")
   id_codings(rows["topk_ids"], vocab, out, region_rows)
 
   # The stores themselves (all arrays, manifest included), as kdjax writes them.
