@@ -330,7 +330,8 @@ def main():
     table = faults(args.trials, np.random.default_rng(args.seed))
     print(f"\n{ROWS} rows x {T} positions, {REGIONS} regions of {REGION_ROWS} rows, k = {K}, "
           f"{layout}; seed {args.seed}\n")
-    print("| fault | trials | detected | positions lost (mean, max) | byte-identical after repair |")
+    print("| fault | trials | detected | positions lost (mean, max) | "
+          "byte-identical after repair |")
     print("|---|---|---|---|---|")
     for fault, rows in table.items():
       detected, lost, same = zip(*rows)
