@@ -75,9 +75,10 @@ def main():
   # The writer's encoding of one batch of teacher rows (sorted, as the teacher hands them over).
   rows = store.read(np.arange(min(args.batch_size, store.num_seqs)))
   ids, logprobs = rows["topk_ids"], rows["topk_logprobs"]
+  codec = [store.attrs.get(key) for key in ("logprob_scale", "prob_offset") if key in store.attrs]
   start = time.perf_counter()
   for _ in range(3):
-    layout.encode_topk(ids, logprobs, store.dtypes, *store.codec_params())
+    layout.encode_topk(ids, logprobs, store.dtypes, *codec)
   seconds = (time.perf_counter() - start) / 3
   print(f"encode_topk ({args.layout}, one thread): {ids.shape[0] * ids.shape[1] / seconds:,.0f} "
         f"positions/s")

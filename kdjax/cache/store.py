@@ -97,10 +97,6 @@ class Store:
                          f"attributes say {self.dtypes[name]} {self.shape(name)}: the store is "
                          f"damaged; delete it and rebuild.")
 
-  def codec_params(self):
-    """(scale, offset) of layout.encode_topk / decode_topk for this store's top-k."""
-    return self._scale, self._offset
-
   def shape(self, name):
     last = {**dict.fromkeys(layout_lib.TOPK_ARRAYS, (self.k,)),
             layout_lib.HIDDEN_ARRAY: (self.hidden_dim,)}
