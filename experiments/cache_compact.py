@@ -1,20 +1,27 @@
 """Bytes per position and loss/gradient accuracy of top-k encodings, on a float32 teacher cache.
 
     python experiments/cache_compact.py --cache runs/demo/cache/train.zarr --rows 256
+    python experiments/cache_compact.py --synthetic-vocab 201088 --rows 16 --seq-len 512 \
+        --loss-positions 1024
 
-Reads `--rows` rows of a float32 cache (real teacher outputs, e.g. the demo's), re-encodes the
-top-k arrays in each candidate encoding, writes them as sharded zarr v3 arrays exactly as a store
-does (one shard per region, zstd through blosc, crc32c) and reports, per encoding:
+Reads `--rows` rows of a float32 cache (real teacher outputs, e.g. the demo's, or SmolLM2's from
+experiments/cache_real_teacher.py), or without --cache makes rows of a synthetic teacher
+(`synthetic`: Zipf ids drifting between consecutive positions, realistic log-prob profiles),
+re-encodes the top-k arrays in each candidate encoding (the compact and packed layouts among
+them), writes them as sharded zarr v3 arrays exactly as a store does (one shard per region, zstd
+through blosc, crc32c) and reports, per encoding:
   - bytes per position on disk of topk_ids + topk_logprobs,
   - relative error of the loss and of its gradients (student hidden states and lm_head) against
-    the float32 cache, for each objective of kdjax.kernels.topk_kl_loss, for two students: a
+    the float32 rows, for each objective of kdjax.kernels.topk_kl_loss, for two students: a
     random one (hidden ~ N(0, 1), lm_head ~ N(0, 1/D)) and one whose logits are the teacher's
-    plus noise (see `student`).
-Errors are |L - L32| / |L32| and ||g - g32|| / ||g32|| (Frobenius). The target is <= 250 bytes per
-position at k = 100 with every error <= 1e-3. Without --cache a synthetic Zipf-like teacher is
-used (numbers then only show the mechanics). Prints a markdown table; writes nothing outside --out.
+    plus noise (see `student`), on the first rows holding --loss-positions positions (the same
+    rows for every encoding).
+Errors are |L - L32| / |L32| and ||g - g32|| / ||g32|| (Frobenius). Then the whole stores of each
+layout (all arrays, manifest included) in bytes per position. Prints markdown tables; writes
+nothing outside --out.
 """
 import argparse
+import functools
 import os
 import shutil
 import tempfile
@@ -31,29 +38,39 @@ OBJECTIVES = ("sparse", "tail", "renorm")
 
 
 def candidates(vocab_size):
-  """name -> (ids dtype, log-prob dtype, log-prob scale or None, blosc shuffle(s) of ids, log-probs).
+  """name -> (ids dtype, log-prob dtype, log-prob scale or None, blosc shuffle(s) of ids, log-probs,
+  packed offset p0 (0: compact's gaps)).
 
   Unless named, ids are bit-shuffled and log-probs byte-shuffled, as in the compact layout.
   """
   ids = "uint16" if vocab_size <= 2**16 else "int32"
-  out = {"float32 (reference)": ("int32", "float32", None, "shuffle"),
-         "float16 log-probs": (ids, "float16", None, ("bitshuffle", "shuffle")),
-         "uint16 gaps 2^-10, byte shuffle for ids too": (ids, "uint16", 2.0**-10, "shuffle")}
+  wide = "uint16" if vocab_size <= 2**16 else "uint32"
+  both = ("bitshuffle", "shuffle")
+  out = {"float32 (reference)": ("int32", "float32", None, "shuffle", 0),
+         "float16 log-probs": (ids, "float16", None, both, 0),
+         "uint16 gaps 2^-10, byte shuffle for ids too": (ids, "uint16", 2.0**-10, "shuffle", 0)}
   for bits in (8, 10, 11, 12):
-    out[f"uint16 gaps 2^-{bits}"] = (ids, "uint16", 2.0**-bits, ("bitshuffle", "shuffle"))
+    name = f"uint16 gaps 2^-{bits}" + (" (compact)" if bits == 11 else "")
+    out[name] = (ids, "uint16", 2.0**-bits, both, 0)
+  for bits in (11, 12):
+    for offset in (5, 7, 9):
+      out[f"packed levels 2^-{bits}, p0 2^-{offset}"] = (wide, "uint16", 2.0**-bits, both,
+                                                          2.0**-offset)
+  out["packed levels 2^-12, p0 2^-9, byte shuffle for ids (packed)"] = (
+      wide, "uint16", layout.PACKED_SCALE, "shuffle", layout.PACKED_OFFSET)
   return out
 
 
-def encode(ids, logprobs, ids_dtype, lp_dtype, scale):
+def encode(ids, logprobs, ids_dtype, lp_dtype, scale, offset=0.0):
   if scale is not None:
     return layout.encode_topk(ids, logprobs, {"topk_ids": ids_dtype, "topk_logprobs": lp_dtype},
-                              scale)
+                              scale, offset)
   return ids.astype(ids_dtype), logprobs.astype(lp_dtype)
 
 
-def decode(ids, stored, lp_dtype, scale):
+def decode(ids, stored, lp_dtype, scale, offset=0.0):
   if scale is not None:
-    return layout.decode_topk(ids, stored, {"topk_logprobs": lp_dtype}, scale)
+    return layout.decode_topk(ids, stored, {"topk_logprobs": lp_dtype}, scale, offset=offset)
   return ids.astype(np.int32), stored.astype(np.float32)
 
 
@@ -65,10 +82,11 @@ def disk_bytes(path, arr, region_rows, shuffle):
              for root, _, names in os.walk(path) for name in names if name != "zarr.json")
 
 
+@functools.partial(jax.jit, static_argnames="objective")  # compiled once per objective
 def loss_and_grads(hidden, lm_head, ids, logprobs, mask, objective):
   fn = lambda h, w: kernels.topk_kl_loss(h, w, ids, logprobs, mask, objective=objective,
                                          impl="xla")
-  return jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(hidden, lm_head)
+  return jax.value_and_grad(fn, argnums=(0, 1))(hidden, lm_head)
 
 
 def rel(a, b):
@@ -95,15 +113,83 @@ def student(kind, ids, logprobs, vocab, dim, noise=0.5, seed=0):
           f"near the teacher: its log-probs + N(0, {noise}) noise as logits (late in training)")
 
 
-def synthetic(rows, seq_len, k, vocab, seed=0):
+def synthetic(rows, seq_len, k, vocab, *, zipf=1.05, overlap=0.4, seed=0):
+  """Rows of a synthetic teacher (ids, log-probs, mask, tokens...), and the vocabulary.
+
+  Assumed, for want of a large real teacher: ids drawn from a Zipf(`zipf`) law over the
+  vocabulary (id = frequency rank, as BPE merges roughly are); consecutive positions share top-k
+  ids by a Markov drift: each entry is, with probability `overlap`, the id the previous position
+  held near the same rank (rank + N(0, 8)), else a fresh draw (duplicates redrawn). Log-probs:
+  ranks r = 1..400 with logits -a log r + N(0, 0.5), a ~ U(1.2, 2.8) per position (a confident
+  or a flat teacher), the other V - 400 tokens sharing the tail at 2 nats below rank 400;
+  normalised over all V, the top k kept. This gives a mean top-1 probability ~0.52, log p at
+  rank 100 ~ -10, top-100 mass ~0.89 and ~42 of 100 ids shared with the previous position.
+  """
   rng = np.random.default_rng(seed)
-  bias = -1.1 * np.log(np.arange(1, vocab + 1))  # Zipf-like unigram prior
-  logits = rng.normal(0, 2.5, (rows, seq_len, vocab)) + bias
-  logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-  ids = np.argsort(-logprobs, -1)[..., :k]
-  return {"topk_ids": ids.astype(np.int32),
-          "topk_logprobs": np.take_along_axis(logprobs, ids, -1).astype(np.float32),
-          "loss_mask": np.ones((rows, seq_len), bool)}, vocab
+  cdf = np.cumsum(np.arange(1, vocab + 1, dtype=np.float64) ** -zipf)
+  draw = lambda shape: np.minimum(np.searchsorted(cdf, rng.random(shape) * cdf[-1]), vocab - 1)
+  ids = np.zeros((rows, seq_len, k), np.int32)
+  previous = draw((rows, k))
+  for t in range(seq_len):  # the drift is sequential in t; vectorised over rows and ranks
+    near = np.clip(np.arange(k) + np.rint(rng.normal(0, 8, (rows, k))).astype(int), 0, k - 1)
+    keep = rng.random((rows, k)) < overlap
+    candidates = np.concatenate([np.where(keep, np.take_along_axis(previous, near, 1),
+                                          draw((rows, k))), draw((rows, 2 * k))], 1)
+    order = np.argsort(candidates, 1, kind="stable")
+    repeats = np.diff(np.take_along_axis(candidates, order, 1), axis=1, prepend=-1) == 0
+    first = np.empty_like(repeats)
+    np.put_along_axis(first, order, ~repeats, 1)
+    chosen = np.argsort(np.where(first, np.arange(3 * k), 3 * k), 1, kind="stable")[:, :k]
+    previous = ids[:, t] = np.take_along_axis(candidates, chosen, 1)
+  ranks = 400
+  slope = rng.uniform(1.2, 2.8, (rows, seq_len, 1))
+  logits = -slope * np.log(np.arange(1, ranks + 1)) + rng.normal(0, 0.5, (rows, seq_len, ranks))
+  logits = -np.sort(-logits, -1)
+  tail = logits[..., -1:] - 2 + np.log(vocab - ranks)
+  logprobs = logits - np.logaddexp(np.log(np.exp(logits).sum(-1, keepdims=True)), tail)
+  segment_ids = np.ones((rows, seq_len), np.int32)
+  return {"topk_ids": ids, "topk_logprobs": logprobs[..., :k].astype(np.float32),
+          "loss_mask": segment_ids > 0, "segment_ids": segment_ids,
+          "tokens": ids[..., 0].copy(),
+          "positions": np.tile(np.arange(seq_len, dtype=np.int32), (rows, 1))}, vocab
+
+
+def id_codings(ids, vocab, out, region_rows):
+  """Bytes per position of other codings of the ids (not layouts: ideas measured), and bounds."""
+  rows, seq_len, k = ids.shape
+  wide = "uint16" if vocab <= 2**16 else "uint32"
+  size = lambda arr, shuffle: disk_bytes(os.path.join(out, "x"), arr, region_rows,
+                                         shuffle) / (rows * seq_len)
+  flat = ids.reshape(rows, -1).astype(np.int64)
+  counts = np.bincount((np.arange(rows)[:, None] * vocab + flat).ravel(),
+                       minlength=rows * vocab).reshape(rows, vocab)
+  by_count = np.argsort(-counts, axis=1, kind="stable")  # a row's ids, most frequent first
+  rank = np.empty_like(by_count)
+  np.put_along_axis(rank, by_count, np.arange(vocab)[None].repeat(rows, 0), 1)
+  index = np.take_along_axis(rank, flat, 1).reshape(ids.shape)
+  kinds = (counts > 0).sum(1).max()
+  dictionary = size(by_count[:, :kinds].astype(wide), "shuffle")
+  gaps = lambda x: np.diff(np.sort(x, -1), axis=-1, prepend=0).astype(wide)
+  share = np.bincount(flat.ravel(), minlength=vocab) / flat.size
+  entropy = -np.sum(share[share > 0] * np.log2(share[share > 0])) * k / 8
+  previous = np.sort(ids[:, :-1], -1)
+  pos = np.arange(rows)[:, None, None] * seq_len + np.arange(seq_len - 1)[None, :, None]
+  keys_prev = np.sort((pos * vocab + previous).ravel())
+  keys = (pos * vocab + ids[:, 1:]).ravel()
+  shared = keys_prev[np.minimum(np.searchsorted(keys_prev, keys), keys_prev.size - 1)] == keys
+  print(f"\nids ({rows} x {seq_len} positions), bytes/position; "
+        f"{shared.mean():.0%} of a position's ids are in the previous position's top-{k}\n")
+  print("| coding of the ids | B/pos |\n|---|---|")
+  for name, value in (
+      ("by rank, bit shuffle", size(ids.astype(wide), "bitshuffle")),
+      ("by rank, byte shuffle (packed)", size(ids.astype(wide), "shuffle")),
+      ("by rank, order-0 entropy of the ids (ideal coder, no context)", entropy),
+      ("by rank as indices into the row's ids by frequency, + that dictionary",
+       size(index.astype(wide), "shuffle") + dictionary),
+      ("the set alone (ascending gaps; the rank order lost)", size(gaps(ids), "shuffle")),
+      ("the set alone as ascending frequency indices, + dictionary",
+       size(gaps(index), "shuffle") + dictionary)):
+    print(f"| {name} | {value:.1f} |")
 
 
 def main():
@@ -112,18 +198,35 @@ def main():
   parser.add_argument("--rows", type=int, default=256, help="rows of the cache to use")
   parser.add_argument("--dim", type=int, default=64, help="random student's width D")
   parser.add_argument("--students", default="random,near",
-                      help="comma-separated: random (start of training), near (late; D = V)")
+                      help="comma-separated: random (start of training), near (late; D = V); "
+                           "empty: bytes only")
   parser.add_argument("--out", default="", help="scratch directory (default: a temporary one)")
+  parser.add_argument("--allow-partial", action="store_true",
+                      help="read the finished regions of a cache still being written")
+  parser.add_argument("--synthetic-vocab", type=int, default=32000,
+                      help="synthetic teacher's vocabulary (without --cache)")
+  parser.add_argument("--seq-len", type=int, default=128, help="synthetic rows' positions")
+  parser.add_argument("--overlap", type=float, default=0.4,
+                      help="synthetic: chance an entry keeps the previous position's id")
+  parser.add_argument("--loss-positions", type=int, default=4096,
+                      help="errors on the first rows holding this many positions (the near "
+                           "student is [positions, V] float32)")
   args = parser.parse_args()
 
   if args.cache:
-    store = cache.open(args.cache)
-    rows = store.read(np.arange(min(args.rows, store.num_seqs)))
+    store = cache.open(args.cache, allow_partial=args.allow_partial)
+    done = np.arange(store.num_seqs)
+    if args.allow_partial:
+      done = np.array([row for r in sorted(store.complete_regions())
+                       for row in range(*store.region_bounds(r))], np.int64)
+    rows = store.read(done[:args.rows])
     vocab = store.vocab_size
     source = f"{args.cache} ({store.attrs.get('teacher', '?')})"
   else:
-    rows, vocab = synthetic(min(args.rows, 64), 128, 100, 32000)
-    source = "synthetic Zipf-like teacher, V=32000"
+    rows, vocab = synthetic(args.rows, args.seq_len, 100, args.synthetic_vocab,
+                            overlap=args.overlap)
+    source = (f"synthetic teacher (Zipf ids with a Markov drift, overlap {args.overlap}), "
+              f"V={vocab}")
   ids, logprobs = rows["topk_ids"], rows["topk_logprobs"]
   num_rows, seq_len, k = ids.shape
   positions = num_rows * seq_len
@@ -131,17 +234,20 @@ def main():
 
   out = args.out or tempfile.mkdtemp(prefix="cache_compact_")
   print(f"teacher: {source}; {num_rows} rows x {seq_len} positions, k={k}, vocab {vocab}")
-  mask = jnp.asarray(rows["loss_mask"])
   encoded = {}
-  for name, (ids_dtype, lp_dtype, scale, shuffle) in candidates(vocab).items():
-    stored_ids, stored_lp = encode(ids, logprobs, ids_dtype, lp_dtype, scale)
+  for name, (ids_dtype, lp_dtype, scale, shuffle, offset) in candidates(vocab).items():
+    stored_ids, stored_lp = encode(ids, logprobs, ids_dtype, lp_dtype, scale, offset)
     ids_shuffle, lp_shuffle = shuffle if isinstance(shuffle, tuple) else (shuffle, shuffle)
     ids_bytes = disk_bytes(os.path.join(out, "ids"), stored_ids, region_rows, ids_shuffle)
     lp_bytes = disk_bytes(os.path.join(out, "lp"), stored_lp, region_rows, lp_shuffle)
     encoded[name] = (ids_bytes / positions, lp_bytes / positions,
-                     decode(stored_ids, stored_lp, lp_dtype, scale))
+                     decode(stored_ids, stored_lp, lp_dtype, scale, offset))
 
-  for kind in args.students.split(","):
+  # Errors on the first rows (every encoding on the same ones).
+  few = max(1, min(num_rows, args.loss_positions // seq_len))
+  ids, logprobs, mask = ids[:few], logprobs[:few], jnp.asarray(rows["loss_mask"][:few])
+  print(f"errors on the first {few} rows ({few * seq_len} positions)")
+  for kind in filter(None, args.students.split(",")):
     hidden, lm_head, about = student(kind, ids, logprobs, vocab, args.dim)
     reference = {obj: loss_and_grads(hidden, lm_head, jnp.asarray(ids), jnp.asarray(logprobs),
                                       mask, obj) for obj in OBJECTIVES}
@@ -152,23 +258,29 @@ def main():
     for name, (ids_bpp, lp_bpp, (dec_ids, dec_lp)) in encoded.items():
       errors = np.zeros(3)
       for obj in OBJECTIVES:
-        loss, (g_hidden, g_head) = loss_and_grads(hidden, lm_head, jnp.asarray(dec_ids),
-                                                  jnp.asarray(dec_lp), mask, obj)
+        loss, (g_hidden, g_head) = loss_and_grads(hidden, lm_head, jnp.asarray(dec_ids[:few]),
+                                                  jnp.asarray(dec_lp[:few]), mask, obj)
         loss32, (g_hidden32, g_head32) = reference[obj]
         errors = np.maximum(errors, [abs(float(loss) - float(loss32)) / abs(float(loss32)),
                                      rel(g_hidden, g_hidden32), rel(g_head, g_head32)])
       print(f"| {name} | {ids_bpp:.1f} | {lp_bpp:.1f} | {ids_bpp + lp_bpp:.1f} | {errors[0]:.1e} | "
             f"{errors[1]:.1e} | {errors[2]:.1e} |", flush=True)
 
+  if not args.students:
+    print("\n| encoding | ids B/pos | log-probs B/pos | top-k B/pos |\n|---|---|---|---|")
+    for name, (ids_bpp, lp_bpp, _) in encoded.items():
+      print(f"| {name} | {ids_bpp:.1f} | {lp_bpp:.1f} | {ids_bpp + lp_bpp:.1f} |")
+  id_codings(rows["topk_ids"], vocab, out, region_rows)
+
   # The stores themselves (all arrays, manifest included), as kdjax writes them.
   if "tokens" in rows:
     print()
-    for layout_name in ("float32", "compact"):
+    for layout_name in layout.LAYOUTS:
       path = os.path.join(out, f"store_{layout_name}")
       shutil.rmtree(path, ignore_errors=True)
       store = cache.create(path, num_seqs=num_rows, seq_len=seq_len, k=k, vocab_size=vocab,
                            attrs={}, layout=layout_name, region_rows=region_rows)
-      store.write(0, rows)
+      store.write(0, {name: rows[name] for name in store.dtypes})
       total = sum(os.path.getsize(os.path.join(root, name))
                   for root, _, names in os.walk(path) for name in names)
       print(f"kdjax {layout_name} store of these rows: {total / positions:.1f} bytes/position "

@@ -1,9 +1,10 @@
 """Fault injection on teacher caches: is each fault detected, what does it cost, is the repaired
 cache byte-identical to one written without faults?
 
-    JAX_PLATFORMS=cpu python experiments/cache_faults.py [--trials 40] [--seed 0]
+    JAX_PLATFORMS=cpu python experiments/cache_faults.py [--trials 40] [--seed 0] \
+        [--layouts compact,packed]
 
-Writes a small data store and a reference compact cache with a stand-in teacher (two matrices: a
+Per layout: writes a small data store and a reference cache with a stand-in teacher (two matrices: a
 process starts in seconds; the cache logic does not depend on the model) in a temporary folder.
 Then, per fault (kill -9 `--trials` times, the others half as often, a second writer an eighth):
 inject it, check what the user sees (cache.open, `python -m kdjax.cache verify`), repair it the
@@ -21,7 +22,8 @@ documented way, compare every file with the reference.
   second writer    a writer of a rank whose writer is running (paused at a failpoint)
 detected: the fault was reported (open/verify/the writer refused, naming it) and a cache that was
 still whole was accepted. positions lost: positions written to disk then discarded (shards of
-unrecorded regions, regions --fix deleted), mean per trial. Runs in about 3 minutes on 2 CPU cores.
+unrecorded regions, regions --fix deleted), mean per trial. Runs in about 3 minutes per layout on
+2 CPU cores.
 """
 import argparse
 import concurrent.futures
@@ -68,11 +70,15 @@ class StandIn(nnx.Module):
     return self.embed_VxD[...].T
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+layout = "compact"  # of the caches written; main() sets it per table
+
+
 def write(data_path, cache_path, rank=0, world=1):
   with contextlib.redirect_stderr(io.StringIO()):  # progress bars
     teacher.write_cache(StandIn(), cache.open(data_path), cache_path, k=K, batch_size=2,
                         chunk_size=8, vocab_size=V, attrs={"teacher_hash": "stand-in"},
-                        layout="compact", rank=rank, world=world)
+                        layout=layout, rank=rank, world=world)
 
 
 def make_data(path):
@@ -124,8 +130,11 @@ def unrecorded_positions(path):
 
 
 def spawn(data, path, failpoint, rank=0):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", failpoints.ENV: failpoint}
-  return subprocess.Popen([sys.executable, __file__, "--child", data, path, str(rank)], env=env,
+  # The child imports this checkout's kdjax (not another one installed in the environment).
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", failpoints.ENV: failpoint,
+         "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+  return subprocess.Popen([sys.executable, __file__, "--child", data, path, str(rank), layout],
+                          env=env,
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True)
 
@@ -282,24 +291,16 @@ def second_writer_trials(work, trials, rng, reference):
   return rows
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--trials", type=int, default=40, help="trials of kill -9 (others: half)")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--child", nargs=3, metavar=("DATA", "CACHE", "RANK"), help=argparse.SUPPRESS)
-  args = parser.parse_args()
-  if args.child:
-    data, path, rank = args.child
-    return write(data, path, rank=int(rank))
-  rng = np.random.default_rng(args.seed)
+def faults(trials, rng):
+  """{fault: [(detected, positions lost, byte-identical after repair)]} for caches of `layout`."""
   work = tempfile.mkdtemp(prefix="cache_faults_")
   try:
     make_data(f"{work}/data")
     write(f"{work}/data", f"{work}/reference")
     ref = files(f"{work}/reference")
-    few = max(args.trials // 2, 1)
-    table = {
-        "kill -9 at a random failpoint": kill_trials(work, args.trials, rng, ref),
+    few = max(trials // 2, 1)
+    return {
+        "kill -9 at a random failpoint": kill_trials(work, trials, rng, ref),
         "flipped byte in a shard": damage_trials(work, few, rng, ref, flipped_byte),
         "truncated shard": damage_trials(work, few, rng, ref, truncated_shard),
         "deleted shard": damage_trials(work, few, rng, ref, deleted_shard),
@@ -310,14 +311,32 @@ def main():
     }
   finally:
     shutil.rmtree(work)
-  print(f"\n{ROWS} rows x {T} positions, {REGIONS} regions of {REGION_ROWS} rows, k = {K}, "
-        f"compact; seed {args.seed}\n")
-  print("| fault | trials | detected | positions lost (mean, max) | byte-identical after repair |")
-  print("|---|---|---|---|---|")
-  for fault, rows in table.items():
-    detected, lost, same = zip(*rows)
-    print(f"| {fault} | {len(rows)} | {sum(detected)}/{len(rows)} | {np.mean(lost):.0f}, "
-          f"{max(lost)} | {sum(same)}/{len(rows)} |")
+
+
+def main():
+  global layout
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--trials", type=int, default=40, help="trials of kill -9 (others: half)")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--layouts", default="compact,packed",
+                      help="comma-separated cache layouts, one table each")
+  parser.add_argument("--child", nargs=4, metavar=("DATA", "CACHE", "RANK", "LAYOUT"),
+                      help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.child:
+    data, path, rank, layout = args.child
+    return write(data, path, rank=int(rank))
+  for layout in args.layouts.split(","):
+    table = faults(args.trials, np.random.default_rng(args.seed))
+    print(f"\n{ROWS} rows x {T} positions, {REGIONS} regions of {REGION_ROWS} rows, k = {K}, "
+          f"{layout}; seed {args.seed}\n")
+    print("| fault | trials | detected | positions lost (mean, max) | "
+          "byte-identical after repair |")
+    print("|---|---|---|---|---|")
+    for fault, rows in table.items():
+      detected, lost, same = zip(*rows)
+      print(f"| {fault} | {len(rows)} | {sum(detected)}/{len(rows)} | {np.mean(lost):.0f}, "
+            f"{max(lost)} | {sum(same)}/{len(rows)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from kdjax import cache
+from kdjax.cache import layout
 
 
 def build(path, rows, seq_len, k, vocab, layout):
@@ -56,7 +57,7 @@ def main():
   parser.add_argument("--seq-len", type=int, default=8192, help="positions per sequence")
   parser.add_argument("--k", type=int, default=100, help="top-k entries per position")
   parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
-  parser.add_argument("--layout", default="compact", choices=("compact", "float32"))
+  parser.add_argument("--layout", default="compact", choices=layout.LAYOUTS)
   parser.add_argument("--batch-size", type=int, default=8, help="rows per batch")
   parser.add_argument("--batches", type=int, default=24, help="batches timed")
   parser.add_argument("--workers", type=int, default=None, help="Loader threads (default: its own)")
@@ -70,6 +71,17 @@ def main():
         f"{disk_bytes(path) / (store.num_seqs * store.seq_len):.1f} B/position on disk "
         f"(ready in {time.perf_counter() - start:.1f} s); {os.cpu_count()} CPUs")
   tokens = args.batches * args.batch_size * store.seq_len
+
+  # The writer's encoding of one batch of teacher rows (sorted, as the teacher hands them over).
+  rows = store.read(np.arange(min(args.batch_size, store.num_seqs)))
+  ids, logprobs = rows["topk_ids"], rows["topk_logprobs"]
+  codec = [store.attrs.get(key) for key in ("logprob_scale", "prob_offset") if key in store.attrs]
+  start = time.perf_counter()
+  for _ in range(3):
+    layout.encode_topk(ids, logprobs, store.dtypes, *codec)
+  seconds = (time.perf_counter() - start) / 3
+  print(f"encode_topk ({args.layout}, one thread): {ids.shape[0] * ids.shape[1] / seconds:,.0f} "
+        f"positions/s")
 
   if args.cold:
     evict(path)

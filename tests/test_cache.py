@@ -1,4 +1,6 @@
 """Sequence stores: round trips, crash-safety records, boundary checks, the loader."""
+import os
+
 import numpy as np
 import pytest
 import tensorstore as ts
@@ -7,6 +9,7 @@ from kdjax import cache
 from kdjax.cache import layout
 
 V, T, K = 300, 8, 5  # conftest's make_rows and new_store: vocabulary, positions, top-k
+OLD_CACHES = os.path.join(os.path.dirname(__file__), "fixtures", "old_caches")
 
 
 @pytest.mark.parametrize("k", [0, K])
@@ -33,6 +36,51 @@ def test_compact_round_trip_within_half_a_step(tmp_path, make_rows, new_store):
   assert got["topk_ids"].dtype == np.int32 and got["topk_logprobs"].dtype == np.float32
   err = np.abs(got["topk_logprobs"] - rows["topk_logprobs"]).max()
   assert err <= layout.LOGPROB_SCALE / 2 + 1e-5
+
+
+def test_packed_round_trip_keeps_ids_exact_and_each_probability_within_its_bound(tmp_path, rng):
+  """Packed: ids exact up to gpt-oss's vocabulary and beyond 2**17; |p' - p| <= (p + p0) s / 2
+  (and the encoder's float32 rounding: layout.encode_topk), the p = 0 level read as p0 s / 4;
+  entries still by descending probability."""
+  vocab, n, k = 201088, 6, 64
+  ids = np.stack([rng.permutation(vocab)[:k] for _ in range(n * T)]).reshape(n, T, k)
+  ids[0, 0, [0, 1, -1]] = [vocab - 1, 2**17, 2**16]
+  logprobs = -np.sort(rng.exponential(2.0, (n, T, k)), -1)
+  logprobs[0, 0, [0, 1, -1]] = [0.0, -1e-9, -200.0]
+  rows = {"tokens": ids[..., 0], "segment_ids": np.ones((n, T), np.int32),
+          "positions": np.tile(np.arange(T, dtype=np.int32), (n, 1)),
+          "loss_mask": np.ones((n, T), bool), "topk_ids": ids.astype(np.int32),
+          "topk_logprobs": logprobs.astype(np.float32)}
+  cache.create(tmp_path / "s", num_seqs=n, seq_len=T, k=k, vocab_size=vocab, attrs={},
+               layout="packed", region_rows=4).write(0, rows)
+  store = cache.open(tmp_path / "s")
+  assert store.dtypes["topk_ids"] == "uint32" and store.attrs["prob_offset"] == layout.PACKED_OFFSET
+  got = store.read(slice(0, n))
+  np.testing.assert_array_equal(got["topk_ids"], rows["topk_ids"])
+  assert got["topk_logprobs"].dtype == np.float32
+  assert np.all(np.diff(got["topk_logprobs"], axis=-1) <= 0)
+  p, back = np.exp(rows["topk_logprobs"].astype(np.float64)), np.exp(got["topk_logprobs"])
+  s, p0 = layout.PACKED_SCALE, layout.PACKED_OFFSET
+  assert np.all(np.abs(back - p) <= (p + p0) * np.expm1(0.502 * s) + 1e-7 * p)
+  assert back[0, 0, 0] == pytest.approx(1.0, abs=1e-6)
+  assert back[0, 0, -1] == pytest.approx(p0 * s / 4, rel=1e-6)
+  # A vocabulary of 2**16 ids or fewer keeps uint16 ids.
+  assert layout.array_dtypes(k, 2**16, "packed")["topk_ids"] == "uint16"
+
+
+def test_stores_of_the_earlier_layouts_still_open_and_read_the_same(make_rows, take):
+  """float32 and compact stores written by the code before the packed layout (main at 9c93f6d,
+  tests/fixtures/old_caches/make.py) open and read the rows they were written with."""
+  rows = make_rows(np.random.default_rng(0), 10)
+  for name in ("float32", "compact"):
+    store = cache.open(os.path.join(OLD_CACHES, f"{name}.zarr"), vocab_size=V, k=K, seq_len=T)
+    assert store.layout == name and "prob_offset" not in store.attrs
+    got = store.read(slice(0, 10))
+    for key, want in rows.items():
+      if name == "compact" and key == "topk_logprobs":
+        assert np.abs(got[key] - want).max() <= layout.LOGPROB_SCALE / 2 + 1e-5
+      else:
+        np.testing.assert_array_equal(got[key], want)
 
 
 def test_unaligned_writes_complete_regions(tmp_path, make_rows, new_store, take):
@@ -85,7 +133,7 @@ def test_open_checks_what_the_caller_expects(tmp_path, expect, match, make_rows,
     cache.open(tmp_path / "s", **expect)
 
 
-@pytest.mark.parametrize("layout_name", ["float32", "compact"])
+@pytest.mark.parametrize("layout_name", ["float32", "compact", "packed"])
 def test_a_larger_cache_reads_as_its_top_k(tmp_path, layout_name, make_rows, new_store):
   rows = make_rows(np.random.default_rng(14), 10)
   if layout_name == "float32":  # entries written in another order are still read as the top k
@@ -193,3 +241,23 @@ def test_overwriting_a_finished_region_unrecords_it_until_written(tmp_path, monk
   got = cache.open(tmp_path / "s").read(slice(0, 10))["topk_ids"]
   np.testing.assert_array_equal(got[5:7], new["topk_ids"])
   np.testing.assert_array_equal(got[[4, 7]], rows["topk_ids"][[4, 7]])
+
+
+def test_the_notebook_decodes_a_packed_cache(tmp_path, make_rows, new_store, monkeypatch):
+  """notebooks/explore_cache.ipynb reads a packed cache with plain tensorstore / zarr-python and
+  its own decoding: every top-1 is p = 0.5 here, and it reports that."""
+  nbformat = pytest.importorskip("nbformat")
+  nbclient = pytest.importorskip("nbclient")
+  rows = make_rows(np.random.default_rng(0), 10)
+  rows["topk_logprobs"] = np.minimum(rows["topk_logprobs"], np.log(0.4))  # still sorted
+  rows["topk_logprobs"][..., 0] = np.log(0.5)
+  new_store(tmp_path / "s", layout_name="packed").write(0, rows)
+  path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "notebooks",
+                      "explore_cache.ipynb")
+  notebook = nbformat.read(path, as_version=4)
+  monkeypatch.setenv("KDJAX_CACHE", str(tmp_path / "s"))
+  nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3",
+                          resources={"metadata": {"path": str(tmp_path)}}).execute()
+  text = "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                 for out in cell.outputs)
+  assert "top-1 probability      mean 0.500" in text, text

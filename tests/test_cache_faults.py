@@ -286,3 +286,34 @@ def test_a_writer_stopped_between_data_and_record_leaves_the_region_missing(tmp_
   store.write(4, take(rows, slice(4, 10)))
   np.testing.assert_array_equal(cache.open(store.path).read(slice(0, 10))["topk_ids"],
                                 rows["topk_ids"])
+
+
+@pytest.mark.parametrize("key, value", [("prob_offset", 2.0**-5), ("logprob_scale", 2.0**-11),
+                                        ("layout", "compact")])
+def test_an_edited_packed_attribute_is_refused(tmp_path, make_rows, new_store, key, value):
+  new_store(tmp_path / "s", layout_name="packed").write(0, make_rows(np.random.default_rng(0), 10))
+  set_attr(tmp_path / "s", key, value)
+  with pytest.raises(cache.CacheError, match=rf"fail their checksum.*'{key}'"):
+    cache.open(tmp_path / "s")
+  assert cli.main(["verify", str(tmp_path / "s")]) == 2
+
+
+def test_a_damaged_packed_cache_is_repaired_byte_identical(tmp_path, make_data, store_files,
+                                                           write, tiny_teacher, capsys):
+  """The packed layout through the fault path of the others: a flipped byte in a log-prob shard
+  fails its checksum, verify --fix drops the region, the writer rewrites it as before."""
+  data = make_data(tmp_path / "data")
+  write(tiny_teacher(), data, tmp_path / "whole", layout="packed")
+  write(tiny_teacher(), data, tmp_path / "cache", layout="packed")
+  store = cache.open(tmp_path / "cache")
+  shard = store.shard_path("topk_logprobs", 1)
+  with open(shard, "r+b") as f:
+    f.seek(3)
+    byte = f.read(1)[0]
+    f.seek(3)
+    f.write(bytes([byte ^ 1]))
+  assert cli.main(["verify", "--fix", str(tmp_path / "cache")]) == 1
+  assert "DAMAGED region 1 " in capsys.readouterr().out
+  assert cache.open(tmp_path / "cache", allow_partial=True).missing_regions() == [1]
+  write(tiny_teacher(), data, tmp_path / "cache", layout="packed")
+  assert store_files(tmp_path / "cache") == store_files(tmp_path / "whole")

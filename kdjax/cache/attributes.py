@@ -1,7 +1,7 @@
 """A store's attributes (the group's zarr.json): what they hold, their checksum and their checks.
 
-The attributes say how to decode the arrays (k, vocab_size, layout, logprob_scale, hidden_dim,
-dtypes) and what
+The attributes say how to decode the arrays (k, vocab_size, layout, logprob_scale, prob_offset,
+hidden_dim, dtypes) and what
 the data is (teacher_hash, tokenizer_hash, source): an edit to one of them would change every read
 without a sound. So at creation `attributes_sha256` is added, a sha256 of all the others, and
 manifest/zarr.json keeps a sealed copy of them (all but the creation time) under
@@ -53,8 +53,8 @@ def spec(num_seqs, seq_len, k, vocab_size, attrs, layout_name, region_rows, hidd
          "dtypes": layout_lib.array_dtypes(k, vocab_size, layout_name, hidden_dim)}
   if hidden_dim:  # absent when 0: stores written before hidden states keep their attributes
     out["hidden_dim"] = hidden_dim
-  if k > 0 and layout_name == "compact":
-    out["logprob_scale"] = layout_lib.LOGPROB_SCALE
+  if k > 0:
+    out.update(layout_lib.codec_params(layout_name))
   clash = {key: (attrs[key], out[key]) for key in set(out) & set(attrs) if attrs[key] != out[key]}
   if clash:
     raise CacheError(f"attrs contradict the arguments (key: attrs vs arguments): {clash}")
@@ -115,8 +115,10 @@ def decoding_problems(attrs):
   if attrs.get("dtypes") != dtypes:
     problems.append(f"dtypes = {attrs.get('dtypes')} but k, vocab_size, layout and hidden_dim "
                     f"make {dtypes}")
-  # Compact log-probs are integer steps of this size: any other value scales every log-prob.
-  if k > 0 and layout_name == "compact" and attrs.get("logprob_scale") != layout_lib.LOGPROB_SCALE:
-    problems.append(f"logprob_scale = {attrs.get('logprob_scale')!r}, but compact stores are "
-                    f"written in steps of {layout_lib.LOGPROB_SCALE!r}")
+  # Compact and packed log-probs are integer levels of these parameters: any other value changes
+  # every log-prob.
+  for key, value in (layout_lib.codec_params(layout_name) if k > 0 else {}).items():
+    if attrs.get(key) != value:
+      problems.append(f"{key} = {attrs.get(key)!r}, but {layout_name} stores are written with "
+                      f"{key} = {value!r}")
   return problems

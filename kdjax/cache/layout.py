@@ -13,16 +13,28 @@ Layouts of the top-k arrays (S rows, T positions, K entries, H hidden width):
            probability, so the first gap is the quantised top-1 and the rest are small non-negative
            steps that zstd packs into about a byte. Quantising absolute values (then differencing
            the integers) keeps the error of every entry at most scale / 2: no drift along K.
+  packed:  topk_ids uint16 when the vocabulary fits, else uint32 (exact for any vocabulary);
+           topk_logprobs uint16 gaps of a companded level: with the step s = logprob_scale and the
+           offset p0 = prob_offset (store attributes; 2**-12 and 2**-9),
+             n = round(-(log(p + p0) - log(1 + p0)) / s),  n_0 = gap_0, n_i = n_{i-1} + gap_i,
+             p = max((1 + p0) * exp(-n * s) - p0, p0 * s / 4).
+           Above p0 an entry keeps a relative precision of about s / 2 (finer than compact's for
+           p > p0 at s = 2**-12); below p0 its absolute error is at most about p0 * s / 2. An
+           entry's share of the loss and its gradients scales with p, so the many tiny entries of
+           a top-100 need no more than that, and their gaps shrink to a few levels (zstd: a few
+           bits each). p = 1 is level 0; p = 0 is the last level, read as p0 * s / 4.
 The teacher's final hidden states (optional, `hidden_dim` H > 0, either layout): `hidden` [S, T, H]
 uint16 holding bfloat16 bit patterns (zarr v3 has no bfloat16: `read` views them as
 ml_dtypes.bfloat16; plain readers: `np.asarray(x).view(ml_dtypes.bfloat16)`), 2 * H bytes per
 position before zstd.
 """
+import functools
+
 import ml_dtypes
 import numpy as np
 
 FORMAT_VERSION = 1
-LAYOUTS = ("float32", "compact")
+LAYOUTS = ("float32", "compact", "packed")
 TOKEN_ARRAYS = {"tokens": "int32", "segment_ids": "int32", "positions": "int32", "loss_mask": "bool"}
 TOPK_ARRAYS = ("topk_ids", "topk_logprobs")
 HIDDEN_ARRAY = "hidden"
@@ -32,6 +44,13 @@ HIDDEN_ARRAY = "hidden"
 # -32 (p < 1.3e-14) are clipped there.
 LOGPROB_SCALE = 2.0**-11
 MAX_GAP = np.iinfo(np.uint16).max
+# Packed: 2**-12 above p0 halves compact's error on the entries that carry the loss; p0 = 2**-9
+# puts every entry below ~0.2% on an absolute grid of p0 * s = 4.8e-7. Measured against float32
+# on SmolLM2's cache and Zipf teachers of V = 128256 and 201088 (experiments/cache_compact.py):
+# loss and gradient errors below compact's on all three, 23-30 bytes per position fewer. p0 = 2**-7
+# saves 15 more, but its loss error is compact's (tiny entries weigh log p in the loss).
+PACKED_SCALE = 2.0**-12
+PACKED_OFFSET = 2.0**-9
 
 
 def array_dtypes(k, vocab_size, layout, hidden_dim=0):
@@ -43,19 +62,21 @@ def array_dtypes(k, vocab_size, layout, hidden_dim=0):
     if layout == "float32":
       dtypes.update(topk_ids="int32", topk_logprobs="float32")
     else:
-      ids = "uint16" if vocab_size <= 2**16 else "int32"
-      dtypes.update(topk_ids=ids, topk_logprobs="uint16")
+      wide = "int32" if layout == "compact" else "uint32"
+      dtypes.update(topk_ids="uint16" if vocab_size <= 2**16 else wide, topk_logprobs="uint16")
   if hidden_dim > 0:
     dtypes[HIDDEN_ARRAY] = "uint16"  # bfloat16 bit patterns
   return dtypes
 
 
-def array_metadata(name, shape, dtype, region_rows):
+def array_metadata(name, shape, dtype, region_rows, layout="float32"):
   """zarr v3 metadata of one array of a store."""
   # Top-k ids of a real teacher are concentrated on frequent tokens, so their high bits are
-  # mostly zero: bit shuffle measured ~5% smaller than byte shuffle (experiments/cache_compact.py).
-  return zarr_metadata(shape, dtype, region_rows,
-                       shuffle="bitshuffle" if name == "topk_ids" else None)
+  # mostly zero: bit shuffle measured ~5% smaller than byte shuffle on the demo's V = 2048
+  # (experiments/cache_compact.py). Packed keeps byte shuffle: 1-4% smaller on SmolLM2's
+  # V = 49152 and on Zipf ids at V = 128256.
+  bits = name == "topk_ids" and layout != "packed"
+  return zarr_metadata(shape, dtype, region_rows, shuffle="bitshuffle" if bits else None)
 
 
 def zarr_metadata(shape, dtype, region_rows, *, shuffle=None, clevel=5):
@@ -83,8 +104,18 @@ def zarr_metadata(shape, dtype, region_rows, *, shuffle=None, clevel=5):
   }
 
 
-def encode_topk(ids_SxTxK, logprobs_SxTxK, dtypes, scale=LOGPROB_SCALE):
-  """Caller's int ids / float32 log-probs -> what is stored (scale: compact log-prob step)."""
+def codec_params(layout):
+  """{attribute: value} the top-k log-probs of `layout` are decoded with (stored in the store's
+  attributes)."""
+  return {"compact": {"logprob_scale": LOGPROB_SCALE},
+          "packed": {"logprob_scale": PACKED_SCALE, "prob_offset": PACKED_OFFSET}}.get(layout, {})
+
+
+def encode_topk(ids_SxTxK, logprobs_SxTxK, dtypes, scale=LOGPROB_SCALE, offset=0.0):
+  """Caller's int ids / float32 log-probs -> what is stored.
+
+  scale: the log-prob step of compact and packed; offset: packed's p0 (0: compact).
+  """
   ids = ids_SxTxK.astype(dtypes["topk_ids"])
   if dtypes["topk_logprobs"] == "float32":
     return ids, logprobs_SxTxK.astype(np.float32)
@@ -96,14 +127,35 @@ def encode_topk(ids_SxTxK, logprobs_SxTxK, dtypes, scale=LOGPROB_SCALE):
     logprobs_SxTxK = np.take_along_axis(logprobs_SxTxK, order, axis=-1)
   # Clipped before the cast (far tails cannot overflow); rounding is monotone, so sorted entries
   # give non-decreasing steps.
-  neg = logprobs_SxTxK.astype(np.float64)
-  neg *= -1 / scale
-  steps = np.minimum(np.rint(neg, out=neg), MAX_GAP).astype(np.int32)
+  if offset:  # packed: (log(1 + p0) - log(p + p0)) / s >= 0, decreasing in p
+    # float32 (~2x faster than compact's float64 path here, which a logaddexp would make 3x
+    # slower): its rounding moves a level by at most ~0.002 of a step, so |p' - p| stays within
+    # (p + p0) * (exp(0.502 s) - 1).
+    neg = np.exp(logprobs_SxTxK, dtype=np.float32)
+    neg += np.float32(offset)
+    np.log(neg, out=neg)
+    np.subtract(np.float32(np.log1p(offset)), neg, out=neg)
+    neg *= np.float32(1 / scale)
+    steps = np.maximum(np.rint(neg, out=neg), 0).astype(np.int32)  # log-probs a hair above 0
+  else:
+    neg = logprobs_SxTxK.astype(np.float64)
+    neg *= -1 / scale
+    steps = np.minimum(np.rint(neg, out=neg), MAX_GAP).astype(np.int32)
   gaps = np.diff(steps, axis=-1, prepend=0)
   return ids, gaps.astype(np.uint16)
 
 
-def decode_topk(ids_SxTxK, stored_SxTxK, dtypes, scale=LOGPROB_SCALE, k=None):
+@functools.lru_cache(maxsize=4)
+def packed_logprobs(scale, offset):
+  """log p of every uint16 level, float32 [65536]: levels past N (the level of p = 0) read as N,
+  so any stored value decodes with one unchecked gather."""
+  last = int(np.rint(np.log1p(1 / offset) / scale))
+  levels = np.minimum(np.arange(MAX_GAP + 1), last)
+  p = (1 + offset) * np.exp(-levels * scale) - offset  # float64: no cancellation
+  return np.log(np.maximum(p, offset * scale / 4)).astype(np.float32)
+
+
+def decode_topk(ids_SxTxK, stored_SxTxK, dtypes, scale=LOGPROB_SCALE, k=None, offset=0.0):
   """Stored top-k arrays -> int32 ids, float32 log-probs; k: only the k most probable entries."""
   k = k or ids_SxTxK.shape[-1]
   if dtypes["topk_logprobs"] == "float32":
@@ -116,12 +168,16 @@ def decode_topk(ids_SxTxK, stored_SxTxK, dtypes, scale=LOGPROB_SCALE, k=None):
                 np.take_along_axis(stored_SxTxK, order, -1))
       ids_SxTxK, stored_SxTxK = ids_SxTxK[..., :k], stored_SxTxK[..., :k]
     return ids_SxTxK.astype(np.int32), np.ascontiguousarray(stored_SxTxK)
-  # Compact entries are sorted by descending probability (encode_topk): the first k are the top k.
+  # Compact and packed entries are sorted by descending probability (encode_topk): the first k
+  # are the top k.
   ids = ids_SxTxK[..., :k].astype(np.int32)
   stored_SxTxK = stored_SxTxK[..., :k]
   # Encoding keeps every cumulative sum <= MAX_GAP, so uint16 accumulation cannot wrap (on
   # intact data; damaged chunks fail their crc32c first). uint16 is ~3x faster than int64 here.
-  logprobs = np.cumsum(stored_SxTxK, axis=-1, dtype=np.uint16).astype(np.float32)
+  levels = np.cumsum(stored_SxTxK, axis=-1, dtype=np.uint16)
+  if offset:  # packed: one gather from the table of its levels
+    return ids, np.take(packed_logprobs(scale, offset), levels)
+  logprobs = levels.astype(np.float32)
   logprobs *= np.float32(-scale)
   return ids, logprobs
 

@@ -72,7 +72,9 @@ class Store:
     self.layout = attrs["layout"]
     self.region_rows = attrs["region_rows"]
     self.dtypes = attrs["dtypes"]
-    self._scale = attrs.get("logprob_scale")  # compact top-k only; checked by attributes.check
+    # Compact and packed top-k only; checked by attributes.check.
+    self._scale = attrs.get("logprob_scale")
+    self._offset = attrs.get("prob_offset", 0.0)  # packed only
     self.hidden_dim = attrs.get("hidden_dim", 0)  # H of the teacher's hidden states; 0: none
     self.num_regions = -(-self.num_seqs // self.region_rows)
     futures = {name: ts.open(self._ts_spec(name, create), create=create, open=True)
@@ -106,7 +108,7 @@ class Store:
     # resumable) if the defaults of layout.py change.
     if create and not os.path.exists(os.path.join(self.path, name, "zarr.json")):
       spec["metadata"] = layout_lib.array_metadata(name, self.shape(name), self.dtypes[name],
-                                                   self.region_rows)
+                                                   self.region_rows, self.layout)
     return spec
 
   def require_hidden(self):
@@ -212,7 +214,7 @@ class Store:
     stored = dict(batch)
     if self.k > 0:
       stored["topk_ids"], stored["topk_logprobs"] = layout_lib.encode_topk(
-          batch["topk_ids"], batch["topk_logprobs"], self.dtypes, self._scale)
+          batch["topk_ids"], batch["topk_logprobs"], self.dtypes, self._scale, self._offset)
     if self.hidden_dim:
       stored["hidden"] = layout_lib.encode_hidden(batch["hidden"])
     regions = range(start // self.region_rows, -(-stop // self.region_rows))
@@ -290,7 +292,8 @@ class Store:
       rows = np.arange(*rows.indices(self.num_seqs))
     if self.k > 0:
       out["topk_ids"], out["topk_logprobs"] = layout_lib.decode_topk(
-          out["topk_ids"], out["topk_logprobs"], self.dtypes, self._scale, self.read_k)
+          out["topk_ids"], out["topk_logprobs"], self.dtypes, self._scale, self.read_k,
+          self._offset)
       values.check_ids(out["topk_ids"], rows, self.vocab_size, where, fix)
       values.check_logprobs(out["topk_logprobs"], rows, where, fix)
     if "hidden" in out:
@@ -356,7 +359,7 @@ def create(path, *, num_seqs, seq_len, k, vocab_size, attrs, layout="float32", r
     vocab_size: ids must lie in [0, vocab_size).
     attrs: JSON-serialisable identity of the contents (teacher hash, tokenizer hash, data
       source); resuming with different attrs is refused.
-    layout: "float32" (reference) or "compact" (see layout.py).
+    layout: "float32" (reference), "compact" or "packed" (see layout.py).
     region_rows: rows per region (the unit of writing and crash safety); default ~256K positions.
     hidden_dim: H > 0 also stores the teacher's final hidden states [S, T, H] (bf16, layout.py).
   Raises:
