@@ -67,6 +67,19 @@ def data_shards(mesh: Mesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
+def in_flight(mesh: Mesh | None) -> int:
+  """How many independent programs a loop may dispatch before reading the oldest's outputs.
+
+  One on a mesh of several CPU devices: XLA's CPU client runs each device's share of a program
+  on a pool of one thread per device, and a collective holds its thread until every device has
+  arrived; with several independent programs in flight the pool's threads can all be held by
+  devices of different programs while the last device of the oldest waits for a thread, and
+  XLA aborts the run after 40 s ("Termination timeout ... only 7 of them arrived"). Two
+  elsewhere: the next batch computes while the host reads the last, and no more of a region's
+  outputs wait in device memory."""
+  return 1 if several(mesh) and mesh.devices.flat[0].platform == "cpu" else 2
+
+
 # Dimensions split over "tensor", by their letter in a parameter's name (wq_DxHxE, w_down_FxD,
 # embed_VxD): the first of these the name has and the tensor size divides.
 TENSOR_DIMS = ("V", "H", "G", "F")
