@@ -153,6 +153,9 @@ def base() -> ml_collections.ConfigDict:
   c.mesh.data = 1    # data-parallel groups (each a copy of the sharded state)
   c.mesh.fsdp = 1    # devices sharing one copy of parameters, gradients and AdamW state
   c.mesh.tensor = 1  # devices splitting vocabulary, heads and MLP width (same rows)
+  # Several processes: a process silent this long (s) is lost (killed, crashed, its host down);
+  # the others print which and exit (kdjax/peers.py), and rerunning the command resumes.
+  c.mesh.failure_timeout_s = 60
   return c
 
 
@@ -262,6 +265,8 @@ def validate(c: ml_collections.ConfigDict):
   for f in ("data", "fsdp", "tensor"):
     _require(isinstance(c.mesh[f], int) and c.mesh[f] >= 1,
              f"mesh.{f} must be an integer >= 1, got {c.mesh[f]!r}")
+  _require(c.mesh.failure_timeout_s > 0,
+           f"mesh.failure_timeout_s must be > 0 seconds, got {c.mesh.failure_timeout_s}")
   _require(c.mesh.tensor == 1 or c.loss.impl not in ("reference", "paper"),
            f"mesh.tensor = {c.mesh.tensor} splits the lm_head's vocabulary, which loss.impl "
            f"{c.loss.impl!r} cannot take: use loss.impl 'auto' (or 'xla', 'pallas', "

@@ -1,7 +1,8 @@
 """Entry point: `python -m kdjax.main --config=configs/demo.py [--config.x=y ...]`.
 
 Bad input (kdjax.errors) prints one message and exits 1; --debug or KDJAX_DEBUG=1 adds its
-traceback. Ctrl-C (or SIGTERM while training) exits 130 after the run saved its checkpoint.
+traceback. Ctrl-C (or SIGTERM while training) exits 130 after the run saved its checkpoint. Of
+several processes, one lost makes the others print which and exit 75 (kdjax.peers).
 """
 import logging
 import sys
@@ -10,7 +11,7 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from kdjax import config, errors, parallel, pipeline
+from kdjax import config, errors, parallel, peers, pipeline
 
 config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 flags.DEFINE_bool("debug", False, "Show the traceback of user errors too (or set KDJAX_DEBUG=1).")
@@ -34,17 +35,24 @@ def parse_flags(argv):
 def main(argv):
   del argv
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every checkpoint at INFO
-  parallel.initialize_distributed()  # a run of several processes (launch/multiprocess.sh)
+  c = flags.FLAGS.config
+  # a run of several processes (launch/multiprocess.sh): each watches the others (kdjax.peers)
+  parallel.initialize_distributed(c.mesh.failure_timeout_s)
+  peers.watch(c.mesh.failure_timeout_s)
   logging.info("process %d of %d; devices: %s", jax.process_index(), jax.process_count(),
                jax.devices())
   try:
-    pipeline.run(flags.FLAGS.config)
+    pipeline.run(c)
   except KeyboardInterrupt:
+    peers.finish()
     sys.exit(130)  # train.fit has saved and logged its last step
   except Exception as e:
+    peers.fail_if_lost()  # a collective failed because another process was lost: say so
+    peers.finish()
     if flags.FLAGS.debug or errors.debug() or not errors.is_user_error(e):
       raise
     sys.exit(errors.message(e))
+  peers.finish()
 
 
 if __name__ == "__main__":

@@ -67,6 +67,19 @@ def data_shards(mesh: Mesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
+def in_flight(mesh: Mesh | None) -> int:
+  """How many independent programs a loop may dispatch before reading the oldest's outputs.
+
+  One on a mesh of several CPU devices: XLA's CPU client runs each device's share of a program
+  on a pool of one thread per device, and a collective holds its thread until every device has
+  arrived; with several independent programs in flight the pool's threads can all be held by
+  devices of different programs while the last device of the oldest waits for a thread, and
+  XLA aborts the run after 40 s ("Termination timeout ... only 7 of them arrived"). Two
+  elsewhere: the next batch computes while the host reads the last, and no more of a region's
+  outputs wait in device memory."""
+  return 1 if several(mesh) and mesh.devices.flat[0].platform == "cpu" else 2
+
+
 # Dimensions split over "tensor", by their letter in a parameter's name (wq_DxHxE, w_down_FxD,
 # embed_VxD): the first of these the name has and the tensor size divides.
 TENSOR_DIMS = ("V", "H", "G", "F")
@@ -183,6 +196,14 @@ def gather(tree):
   return multihost_utils.process_allgather(tree, tiled=True)
 
 
+def per_process(x: float) -> list[float]:
+  """x of every process, in process order; of several, a collective every process calls."""
+  if jax.process_count() == 1:
+    return [float(x)]
+  from jax.experimental import multihost_utils
+  return [float(v) for v in np.ravel(multihost_utils.process_allgather(np.float32(x)))]
+
+
 def cache_rank(rank: int, world: int) -> tuple[int, int]:
   """The cache writer's (rank, world): the config's, split further over this run's processes."""
   return rank * jax.process_count() + jax.process_index(), world * jax.process_count()
@@ -201,17 +222,21 @@ ENV_COORDINATOR, ENV_PROCESSES, ENV_PROCESS_ID = (
     "KDJAX_COORDINATOR", "KDJAX_NUM_PROCESSES", "KDJAX_PROCESS_ID")
 
 
-def initialize_distributed() -> None:
+def initialize_distributed(failure_timeout_s: float = 60) -> None:
   """Joins a multi-process run (jax.distributed) when the environment describes one: our
-  variables above, or a SLURM job step of several tasks. Must run before any device is used."""
+  variables above, or a SLURM job step of several tasks. Must run before any device is used.
+  jax.distributed's own heartbeat outlasts failure_timeout_s (kdjax.peers notices a lost
+  process first and says so in one line; jax's would abort with thread dumps)."""
+  timeouts = dict(heartbeat_timeout_seconds=int(2 * failure_timeout_s + 30),
+                  shutdown_timeout_seconds=int(failure_timeout_s + 30))
   if os.environ.get(ENV_COORDINATOR):
     processes = int(os.environ[ENV_PROCESSES])
     if processes > 1 and jax.config.jax_platforms == "cpu":
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(os.environ[ENV_COORDINATOR], processes,
-                               int(os.environ[ENV_PROCESS_ID]))
+                               int(os.environ[ENV_PROCESS_ID]), **timeouts)
   elif int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-    jax.distributed.initialize()
+    jax.distributed.initialize(**timeouts)
 
 
 def sharded_loss(loss_fn, mesh: Mesh | None, hidden_BxTxD, lm_head_DxV, batch: dict):

@@ -205,6 +205,7 @@ def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_s
   if parallel.several(mesh):
     state = parallel.place_state(mesh, state)
     place = functools.partial(parallel.place_rows, mesh)
+  in_flight = parallel.in_flight(mesh)
   step = functools.partial(_teacher_step, graphdef, state, projection_DxH, k=k,
                            chunk_size=chunk_size, vocab_size=vocab_size,
                            hidden=store.hidden_dim > 0)
@@ -221,17 +222,27 @@ def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_s
       rows = data_store.read(slice(start, stop))
       # documents_bound of the whole region: one compiled step per region at most (usually one).
       bound = attention.documents_bound(rows["segment_ids"])
-      outputs = [step(*(place(_pad_rows(rows[name][lo:lo + batch_size], batch_size))
-                        for name in ("tokens", "positions", "segment_ids")), max_documents=bound)
-                 for lo in range(0, stop - start, batch_size)]  # dispatched, not awaited
       # The step's outputs in order; its hidden states (None unless cached) only when stored.
       parts = {name: [] for name in ("topk_ids", "topk_logprobs", "hidden")
                if name in store.dtypes}
-      for lo, batch_outputs in zip(range(0, stop - start, batch_size), outputs):
+
+      def collect(lo, batch_outputs):
         for part, x in zip(parts.values(), parallel.gather(batch_outputs[:len(parts)])):
           part.append(np.asarray(x))
         bar.update((min(lo + batch_size, stop - start) - lo) * store.seq_len)
         failpoints.hit("batch")
+
+      # At most `in_flight` batches dispatched and not yet read (parallel.in_flight: on CPU
+      # devices more deadlock in XLA's collectives; on a GPU they also bound its memory).
+      dispatched = collections.deque()
+      for lo in range(0, stop - start, batch_size):
+        dispatched.append((lo, step(*(place(_pad_rows(rows[name][lo:lo + batch_size], batch_size))
+                                      for name in ("tokens", "positions", "segment_ids")),
+                                    max_documents=bound)))
+        if len(dispatched) >= in_flight:
+          collect(*dispatched.popleft())
+      while dispatched:
+        collect(*dispatched.popleft())
       out = {name: rows[name] for name in _TOKEN_ARRAYS}
       out.update({name: np.concatenate(part)[:stop - start] for name, part in parts.items()})
       while len(pending) >= writers:

@@ -15,6 +15,7 @@ never exported).
 Shapes: A micro-batches per optimizer step, B sequences, T positions, K top-k, D width, V vocab,
 H width of the cached hidden states.
 """
+import collections
 import dataclasses
 import functools
 import json
@@ -31,8 +32,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
-from kdjax import cache, kernels, parallel, tensorboard
-from kdjax.cache import durable
+from kdjax import cache, kernels, parallel, peers, tensorboard
+from kdjax.cache import durable, failpoints
 from kdjax.kernels import full_kl, hidden, objectives
 from kdjax.checkpoints import Checkpoints
 from kdjax.data.packing import next_token_labels
@@ -44,6 +45,9 @@ PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H1
 
 STATE_MEMORIES = ("device", "host")  # where AdamW's moments live between updates
 TRAINED = ("params", "hidden_proj")  # the state's entries the optimizer updates (when present)
+# Of several processes, a log line names the one whose batches others waited for when it spent
+# more than this share of the time waiting for them.
+SLOW_WAIT = 0.2
 # The cached objectives (kdjax.kernels.objectives) and "online": the teacher in the step.
 OBJECTIVES = objectives.OBJECTIVES + ("online",)
 
@@ -267,12 +271,14 @@ def train_step(state, grads_sum, batch_AxB: dict, *, graphdef, tx, loss: LossSet
   return apply_step(state, grads_sum, metrics_A, tx=tx, state_memory=state_memory)
 
 
-def _log_line(name, step, steps, m, lr, tok_s, mfu, mem_gib, eta_s):
+def _log_line(name, step, steps, m, lr, tok_s, mfu, mem_gib, eta_s, slowest=None):
   extra = f" top1 {m['top1']:.3f} ent {m['entropy']:.3f}" if "top1" in m else ""
   extra += f" lr {lr:.2e} tok/s {tok_s:.0f}"
   extra += f" mfu {mfu:.1%}" if mfu is not None else ""
   extra += f" mem {mem_gib:.1f}GiB" if mem_gib is not None else ""
   extra += f" eta {_duration(eta_s)}" if eta_s is not None else ""
+  if slowest is not None:  # (process, its share of the time waiting for its batches)
+    extra += f" slowest: process {slowest[0]} waited {slowest[1]:.0%} for data"
   kl = f" kl {m['kl']:.4f}" if "kl" in m else ""  # none on hard labels
   logging.info("%s step %d/%d loss %.4f%s ce %.4f%s", name, step, steps, m["loss"], kl, m["ce"],
                extra)
@@ -415,13 +421,19 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
     first_t, first_step = clock["first"]
     eta = (now - first_t) / (step - first_step) * (opt.steps - step) if step > first_step else None
     mem, lr = _peak_memory_gib(), float(schedule(step - 1))
-    wait = clock["wait"] / elapsed
+    # Each process's share of the time it waited for its own batches: of several, the one that
+    # waited most is the one the others waited for (a slow disk, a stalled loader).
+    waits = parallel.per_process(clock["wait"] / elapsed)
     clock.update(time=now, step=step, wait=0.0, flops=0.0)
     if not lead:
       return
-    _log_line(name, step, opt.steps, m, lr, tok_s, mfu, mem, eta)
+    slowest = int(np.argmax(waits))
+    _log_line(name, step, opt.steps, m, lr, tok_s, mfu, mem, eta,
+              (slowest, waits[slowest]) if len(waits) > 1 and waits[slowest] > SLOW_WAIT else None)
     line = {"step": step, **m, "lr": lr, "tokens_per_s": tok_s, "mfu": mfu, "peak_mem_gib": mem,
-            "data_wait_frac": wait, "time": time.time()}
+            "data_wait_frac": max(waits), "time": time.time()}
+    if len(waits) > 1:
+      line.update(data_wait_process=slowest, data_wait_fracs=waits)
     with open(metrics_path, "a") as f:
       f.write(json.dumps(line) + "\n")
     events.scalars(step, {k: v for k, v in line.items() if k not in ("step", "time")})
@@ -437,13 +449,28 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
     last_saved = step
 
   # SIGTERM (a pre-empted job) saves a checkpoint like Ctrl-C does, so no finished step is lost.
+  # Of several processes, all must save the same step: the one signalled proposes a step that
+  # none has passed (each is at most `in_flight` steps ahead of the slowest, which the step's
+  # collectives wait for), and every process stops after it (kdjax.peers).
+  stop = {"asked": False, "at": None}
+
   def on_sigterm(*_):
-    raise KeyboardInterrupt
+    if not peers.several():
+      raise KeyboardInterrupt
+    stop["asked"] = True
   previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
   loader_state = loader.state()  # always the position matching `state`
+  in_flight, dispatched = parallel.in_flight(mesh), collections.deque()
   try:
     for step in range(start + 1, opt.steps + 1):
+      if peers.several():
+        if stop["asked"] and stop["at"] is None:
+          peers.propose_stop(name, step + in_flight + 2)
+        stop["at"] = stop["at"] or peers.agreed_stop(name)
+        if stop["at"] is not None and step > stop["at"]:
+          raise KeyboardInterrupt
       t0 = time.perf_counter()
+      failpoints.hit("step")  # tests: a process killed, stopped or stalled in training
       batch = to_step_batch(next(loader), opt.accum_steps, hard_labels)
       clock["wait"] += time.perf_counter() - t0
       max_documents = max(max_documents, attention.documents_bound(batch["segment_ids"]))
@@ -453,6 +480,9 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
         batch = parallel.place_batch(mesh, batch)
       state, metrics, grads_sum = step_fn(state, grads_sum, batch, max_documents=max_documents)
       loader_state = loader.state()
+      dispatched.append(metrics)  # at most in_flight steps unread (parallel.in_flight)
+      while len(dispatched) >= in_flight:
+        jax.block_until_ready(dispatched.popleft())
       # A logged step is read as soon as it is dispatched, so its time is its own (a step's
       # micro-batches go in as host arrays, whose copies wait for the device anyway: reading one
       # step later reported two steps as one, measured on the H200). A logged step is checked
@@ -466,8 +496,8 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
     done = int(state["step"])
     if done > last_saved:
       save(done)
-      logging.info("%s: %s; saved step %d", name,
-                   "interrupted" if isinstance(e, KeyboardInterrupt) else "stopped", done)
+    logging.info("%s: %s; saved step %d", name,
+                 "interrupted" if isinstance(e, KeyboardInterrupt) else "stopped", done)
     raise
   finally:
     signal.signal(signal.SIGTERM, previous_handler)

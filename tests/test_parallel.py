@@ -343,3 +343,29 @@ def test_every_stage_under_two_processes(tmp_path):
   assert results["student"]["kl"] < results["student_init"]["kl"], results
   assert (tmp_path / "export" / "config.json").exists()
   assert proc.stderr.count("distillation cut the student's KL") == 1  # one report
+
+
+MESH_SHAPES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 2, 4)]  # data x fsdp x tensor = 8 devices
+
+
+@pytest.mark.slow  # 70-140 s each on 2 busy cores (compiling): every stage on 8 CPU devices
+@pytest.mark.parametrize("shape", MESH_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_every_stage_under_mesh_shapes(tmp_path, shape):
+  """The smoke demo's every stage on 8 CPU devices sharing 2 cores, under each mesh shape: the
+  cache stage's teacher steps (collectives over 8 devices) once aborted in XLA's rendezvous
+  when a region's batches were all dispatched at once (parallel.in_flight)."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  data, fsdp, tensor = shape
+  proc = subprocess.run(
+      [sys.executable, "-m", "kdjax.main", "--config=configs/demo.py:smoke",
+       f"--config.workdir={tmp_path}", f"--config.mesh.data={data}",
+       f"--config.mesh.fsdp={fsdp}", f"--config.mesh.tensor={tensor}",
+       "--config.data.max_bytes=60000", "--config.pretrain.batch_size=8",
+       "--config.opt.batch_size=8", "--config.pretrain.steps=3", "--config.opt.steps=3"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  done = [json.loads(line)["stage"] for line in open(tmp_path / "stages.jsonl")]
+  assert done == ["data", "pretrain", "cache", "train", "baseline", "eval", "export"], done
+  results = json.load(open(tmp_path / "eval.json"))
+  assert results["student"]["kl"] < results["student_init"]["kl"], results

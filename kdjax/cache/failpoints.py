@@ -11,18 +11,24 @@ of one region's write:
                 raise what tensorstore raises there: disk full, ...)
   after_data    Store.write: shards written and fsynced, the regions not yet recorded
   after_record  Store.write: a region's record is durable
+  step          (train.fit) a training step is about to read its batch (time spent there counts
+                as waiting for data)
 
 In-process: `arm(name, action, count)` runs `action()` at the count-th hit. A subprocess is armed
 by its environment, KDJAX_CACHE_FAILPOINT="name:count:action[,...]" with action
   kill   SIGKILL of the process itself: no cleanup, no flush, like a crash
   pause  prints "failpoint NAME" on stdout and waits for a line on stdin
   raise  raises FailpointError
+  term   SIGTERM to the process itself (what SLURM sends at a time limit)
+  stall  sleeps STALL_S, at this hit and at every later one (a slow disk, a stalled loader)
 """
 import os
 import signal
 import sys
+import time
 
 ENV = "KDJAX_CACHE_FAILPOINT"
+STALL_S = 2.0
 _armed = {}  # name -> [hits to go, action]
 
 
@@ -57,6 +63,11 @@ def _pause(name):
   sys.stdin.readline()
 
 
+def _stall(name):
+  time.sleep(STALL_S)
+  arm(name, lambda: _stall(name))
+
+
 def _raise(name):
   raise FailpointError(f"failpoint {name}")
 
@@ -65,7 +76,9 @@ def arm_from_env(spec):
   """Arms the points of a KDJAX_CACHE_FAILPOINT value."""
   for item in filter(None, spec.split(",")):
     name, count, action = item.split(":")
-    actions = {"kill": _kill, "pause": lambda n=name: _pause(n), "raise": lambda n=name: _raise(n)}
+    actions = {"kill": _kill, "pause": lambda n=name: _pause(n), "raise": lambda n=name: _raise(n),
+               "term": lambda: os.kill(os.getpid(), signal.SIGTERM),
+               "stall": lambda n=name: _stall(n)}
     arm(name, actions[action], int(count))
 
 

@@ -1,0 +1,132 @@
+"""A run of two processes (jax.distributed on localhost, one CPU device each) when one of them
+fails: killed (SIGKILL) during stage train or stage cache, the other prints kdjax's one line
+naming it and exits (kdjax.peers, EXIT_LOST) instead of hanging or aborting, and the same
+command run again resumes to the unbroken run's result (exported parameters, cache bytes,
+metrics); SIGTERM to one process stops both after the same step, saved; a process that stalls
+before its batches is named in the log lines. Faults land at exact steps (failpoints), never
+at a moment chosen by a timer; the timeouts are generous for a loaded 2-core machine."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from experiments.cache_faults import files as store_files
+from kdjax import parallel, peers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRETRAIN_STEPS = 3
+FAILURE_TIMEOUT_S = 30
+ARGS = ["--config=configs/demo.py:smoke", "--config.mesh.data=2", "--config.data.max_bytes=60000",
+        f"--config.pretrain.steps={PRETRAIN_STEPS}", "--config.opt.steps=8",
+        "--config.opt.log_every=1", f"--config.mesh.failure_timeout_s={FAILURE_TIMEOUT_S}"]
+STAGES = "--config.stages=('data', 'pretrain', 'cache', 'train', 'export')"
+METRICS = ("step", "loss", "kl", "ce", "grad_norm", "top1", "entropy")
+
+
+def free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def run_two(workdir, failpoint: str = "", stages=STAGES, armed=1) -> list[dict]:
+  """Both processes of one run; failpoint (KDJAX_CACHE_FAILPOINT) armed in process `armed`.
+  Returns each process's exit code, stderr and the time it ended."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", parallel.ENV_PROCESSES: "2",
+         parallel.ENV_COORDINATOR: f"localhost:{free_port()}"}
+  env.pop("KDJAX_CACHE_FAILPOINT", None)
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "kdjax.main", *ARGS, f"--config.workdir={workdir}", stages],
+      cwd=ROOT, env={**env, parallel.ENV_PROCESS_ID: str(i),
+                     **({"KDJAX_CACHE_FAILPOINT": failpoint} if i == armed and failpoint else {})},
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  out = []
+  for p in procs:
+    _, stderr = p.communicate(timeout=900)
+    out.append({"rc": p.returncode, "stderr": stderr, "ended": time.monotonic()})
+  return out
+
+
+def result(workdir) -> dict:
+  """What a finished run leaves: the exported parameters' bytes, the cache's files, the
+  student's metrics (without times and speeds)."""
+  with open(os.path.join(workdir, "export", "model.safetensors"), "rb") as f:
+    params = f.read()
+  with open(os.path.join(workdir, "student", "metrics.jsonl")) as f:
+    metrics = [{k: v for k, v in json.loads(line).items() if k in METRICS} for line in f]
+  # every file but the attributes (their creation time differs; manifest/zarr.json holds a copy)
+  cache = {split: store_files(os.path.join(workdir, "cache", f"{split}.zarr"))
+           for split in ("train", "eval")}
+  return {"params": params, "metrics": metrics,
+          "cache": {split: {name: data for name, data in files.items()
+                            if name != os.path.join("manifest", "zarr.json")}
+                    for split, files in cache.items()}}
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("unbroken")
+  assert [p["rc"] for p in run_two(workdir)] == [0, 0]
+  return result(workdir)
+
+
+def assert_resumes(workdir, unbroken):
+  again = run_two(workdir)
+  assert [p["rc"] for p in again] == [0, 0], again[0]["stderr"][-3000:]
+  got = result(workdir)
+  assert got["metrics"] == unbroken["metrics"]
+  assert got["cache"] == unbroken["cache"]
+  assert got["params"] == unbroken["params"]
+
+
+@pytest.mark.slow  # a few minutes: two-process runs of the smoke demo, broken and resumed
+@pytest.mark.parametrize("failpoint, armed", [
+    (f"step:{PRETRAIN_STEPS + 2}:kill", 1),
+    # Not yet: with process 0 (and the coordination service in it) gone, jax.distributed's
+    # client aborts process 1 (its fatal error callback, SIGABRT) before kdjax.peers speaks.
+    pytest.param("batch:3:kill", 0, marks=pytest.mark.xfail(strict=True, reason="jax aborts"))],
+    ids=["train", "cache"])
+def test_one_process_killed(tmp_path, unbroken, failpoint, armed):
+  """Process 1 killed at train's step 2, or process 0 (it holds the coordination service, and
+  the cache's one region) at the cache stage's third batch: the other names it and exits
+  EXIT_LOST within 2 minutes; the same command resumes to the unbroken result."""
+  out = run_two(tmp_path, failpoint, armed=armed)
+  killed, survivor = out[armed], out[1 - armed]
+  assert killed["rc"] == -9
+  assert survivor["rc"] == peers.EXIT_LOST, survivor["stderr"][-3000:]
+  assert survivor["ended"] - killed["ended"] < 120
+  last = survivor["stderr"].strip().splitlines()[-1]
+  assert last.startswith(f"kdjax: process {armed} of 2 stopped answering"), last
+  assert "same command" in last
+  assert "Check failure" not in survivor["stderr"] and "Fatal Python" not in survivor["stderr"]
+  assert_resumes(tmp_path, unbroken)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_same_step_everywhere(tmp_path, unbroken):
+  """SIGTERM to process 1 at train's step 2: both stop after the same step (proposed by process
+  1, read by both), save it (one checkpoint, written by both), exit 130, and the same command
+  resumes to the unbroken result."""
+  out = run_two(tmp_path, f"step:{PRETRAIN_STEPS + 2}:term")
+  assert [p["rc"] for p in out] == [130, 130], out[0]["stderr"][-3000:]
+  saved = [[line.rsplit(" ", 1)[1] for line in p["stderr"].splitlines()
+            if "student: interrupted; saved step" in line] for p in out]
+  assert saved[0] == saved[1] and len(saved[0]) == 1, saved
+  steps = sorted(int(d) for d in os.listdir(tmp_path / "student" / "ckpt") if d.isdigit())
+  assert steps[-1] == int(saved[0][0]) < 8, steps
+  assert_resumes(tmp_path, unbroken)
+
+
+@pytest.mark.slow
+def test_a_stalled_process_is_named(tmp_path):
+  """Process 1 sleeps 2 s before each of its training batches: process 0's log lines name it."""
+  out = run_two(tmp_path, "step:1:stall", "--config.stages=('data', 'pretrain')")
+  assert [p["rc"] for p in out] == [0, 0], out[0]["stderr"][-3000:]
+  lines = [line for line in out[0]["stderr"].splitlines() if "teacher step" in line]
+  assert lines and all("slowest: process 1 waited" in line for line in lines[1:]), lines
+  metrics = [json.loads(line) for line in open(tmp_path / "teacher" / "metrics.jsonl")]
+  assert all(m["data_wait_process"] == 1 for m in metrics[1:]), metrics
