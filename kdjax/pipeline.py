@@ -260,7 +260,13 @@ def stage_eval(c, paths: Paths):
                                       chunk_size=c.loss.chunk_size or None, desc=f"eval {name}")
 
   measure("student_init", start_model(c, paths, c.student, vocab)[0])
-  if c.teacher.hf_path:
+  weights = [os.path.join(c.teacher.hf_path, name) for name in
+             ("model.safetensors", "model.safetensors.index.json")]
+  if c.teacher.hf_path and not any(map(os.path.exists, weights)):
+    # A teacher's weights may be deleted once its cache is written (disk); the report goes on.
+    logging.warning("eval: %s holds no weights any more; the report has no teacher row",
+                    c.teacher.hf_path)
+  elif c.teacher.hf_path:
     # Its own held-out CE is the reference the students are measured against; its KL to the
     # top-k it cached is ~0 (up to cache.layout's quantisation) and its top-1 agreement ~1.
     measure("teacher", load_teacher(c, paths, teacher_mesh(c)))

@@ -345,7 +345,11 @@ def test_every_stage_under_two_processes(tmp_path):
   assert proc.stderr.count("distillation cut the student's KL") == 1  # one report
 
 
-MESH_SHAPES = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 2, 4)]  # data x fsdp x tensor = 8 devices
+# data x fsdp x tensor = 8 devices. The suite runs the two with a tensor axis (the cache stage's
+# collectives of every kind; 70-140 s each on 2 cores); KDJAX_ALL_MESH_SHAPES=1 adds 8x1x1 and
+# 2x4x1 (all four passed on 2026-12-03).
+MESH_SHAPES = [(2, 2, 2), (1, 2, 4)] + (
+    [(8, 1, 1), (2, 4, 1)] if os.environ.get("KDJAX_ALL_MESH_SHAPES") else [])
 
 
 @pytest.mark.slow  # 70-140 s each on 2 busy cores (compiling): every stage on 8 CPU devices
