@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # sibling scripts
@@ -115,6 +116,7 @@ def run_arm(prep, root: str, a: dict, teacher, eval_store, args) -> dict:
           "ce": online["ce"], "full_kl": online["full_kl"], "top1": online["top1_agreement"],
           "ece": online["ece"], "positions": online["positions"], "teacher_ce": args.teacher_ce,
           "workdir": c.workdir, "run": run, "commit": e2e_bench.commit(),
+          "device": jax.devices()[0].device_kind,
           "date": e2e_bench.today()}
 
 
@@ -157,10 +159,11 @@ def launch(args) -> int:
 
 
 def read_results(path: str) -> dict:
+  """{arm: line} of the measured arms (a line without "init", e.g. the prep's, is not an arm)."""
   if not os.path.exists(path):
     return {}
   with open(path) as f:
-    return {line["arm"]: line for line in map(json.loads, f)}
+    return {line["arm"]: line for line in map(json.loads, f) if "init" in line}
 
 
 def append(path: str, line: dict):
@@ -203,8 +206,10 @@ def perplexity(prep, root: str, teacher, args):
       nll = json.load(f)
     line.update(hf_ce=nll["mean_nll"], hf_ppl=float(np.exp(nll["mean_nll"])),
                 hf_positions=nll["positions"])
+  with open(args.results) as f:
+    others = [line for line in map(json.loads, f) if "init" not in line]  # kept as they are
   with open(args.results + ".tmp", "w") as f:
-    for line in lines.values():
+    for line in [*lines.values(), *others]:
       f.write(json.dumps(line) + "\n")
   os.replace(args.results + ".tmp", args.results)
 
