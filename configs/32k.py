@@ -1,19 +1,12 @@
-"""Distil an 8B-class teacher into a ~3B student at 32K context on one H200.
+"""configs/8k.py's run at 32K context: the same teacher, student and data, 4x the tokens per row.
 
     python -m kdjax.main --config=configs/32k.py --config.teacher.hf_path=PATH \
         --config.data.tokenizer=PATH --config.data.source=data.jsonl
 
-Needs: one H200 (141 GB), a Llama-3.1-8B-class Hugging Face checkpoint on disk and a jsonl/parquet
-dataset. Writes the teacher's top-100 cache once (compact layout), then trains with the fused loss.
-Logs one line per optimizer step (README, "Running": what each field means).
-CPU variant for tests: --config=configs/32k.py:smoke
+Needs and prints what configs/8k.py does (one H200); CPU variant: --config=configs/32k.py:smoke
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-import long_context  # noqa: E402
+from kdjax import recipes
 
 
 def get_config(variant: str = ""):
-  return long_context.long_context(32768, "runs/32k", variant)
+  return recipes.long_context(32768, "runs/32k", variant)

@@ -8,12 +8,8 @@ dataset. Writes the teacher's top-100 cache once (compact layout), then trains w
 Logs one line per optimizer step (README, "Running": what each field means).
 CPU variant for tests: --config=configs/8k.py:smoke
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-import long_context  # noqa: E402
+from kdjax import recipes
 
 
 def get_config(variant: str = ""):
-  return long_context.long_context(8192, "runs/8k", variant)
+  return recipes.long_context(8192, "runs/8k", variant)

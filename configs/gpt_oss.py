@@ -14,11 +14,7 @@ With STUDENT_LAYERS = 8 the student's step peaks at 125.9 GiB: run it with
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (launch/gpu.sh's default, 0.90, leaves 125 GiB).
 CPU variant for tests: --config=configs/gpt_oss.py:smoke
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-import long_context  # noqa: E402
+from kdjax import recipes
 
 # gpt-oss-20b has 24; 8 is as many as fit one H200 with float32 AdamW at 32K (measured: 125.9
 # GiB peak, so XLA_PYTHON_CLIENT_MEM_FRACTION=0.95; 9 would need ~138 GiB). BENCHMARKS.md, MoE.
@@ -38,7 +34,7 @@ def gpt_oss(g, n_layers: int, n_experts: int, packed: bool):
 
 
 def get_config(variant: str = ""):
-  c = long_context.long_context(32768, "runs/gpt_oss", "smoke" if variant == "smoke" else "")
+  c = recipes.long_context(32768, "runs/gpt_oss", "smoke" if variant == "smoke" else "")
   if variant == "smoke":
     c.workdir = "runs/gpt_oss_smoke"
     for g, layers in ((c.teacher, 2), (c.student, 1)):

@@ -11,15 +11,19 @@ import ml_collections
 
 from kdjax.cache.layout import LAYOUTS
 from kdjax.data.sources import LOSS_MASKS
-from kdjax.kernels import IMPLS
+from kdjax.kernels import IMPLS, objectives
 from kdjax.models import llama, prune
 from kdjax.parallel import TEACHER_DEVICES
-from kdjax.train import OBJECTIVES, STATE_MEMORIES
 
-# The choices below are owned by the modules that implement them (imported above); the stages
-# are owned here: kdjax.pipeline runs stage_<name> for each, in this order.
+# The choices are owned by the modules that implement them (imported above), except those of the
+# training code, which this module does not import (reading a config loads no trainer, no orbax):
+# kdjax.train takes each of these (tests/test_train.py runs them). The stages are owned here:
+# kdjax.pipeline runs stage_<name> for each, in this order.
 STAGES = ("data", "pretrain", "cache", "train", "baseline", "eval", "export")
 DTYPES = tuple(llama.DTYPES)
+# The cached objectives (kdjax.kernels.objectives) and "online": the teacher in the step.
+OBJECTIVES = objectives.OBJECTIVES + ("online",)
+STATE_MEMORIES = ("device", "host")  # where AdamW's moments live between updates
 
 
 def model_group(**overrides) -> ml_collections.ConfigDict:

@@ -153,13 +153,9 @@ def place_state(mesh: Mesh, tree):
 
 
 def place_batch(mesh: Mesh, batch_AxB: dict) -> dict:
-  """A step's rows [A, B, ...] with B split over the batch axes; B must be a multiple of them.
-  Every process passes the same rows (its loader has the same seed and order)."""
-  shards = data_shards(mesh)
-  for name, x in batch_AxB.items():
-    if x.shape[1] % shards:
-      raise ValueError(f"a micro-batch of {x.shape[1]} rows cannot be split over data x fsdp = "
-                       f"{shards} devices: set opt.batch_size to a multiple of {shards}.")
+  """A step's rows [A, B, ...] with B split over the batch axes; B must be a multiple of them
+  (config.validate's rule on opt.batch_size). Every process passes the same rows (its loader
+  has the same seed and order)."""
   sharding = NamedSharding(mesh, P(None, BATCH_AXES))
   return {name: _place(x, sharding) for name, x in batch_AxB.items()}
 

@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 
 from kdjax import cache, kernels, parallel, peers, tensorboard
 from kdjax.cache import durable, failpoints
-from kdjax.kernels import full_kl, hidden, objectives
+from kdjax.kernels import full_kl, hidden
 from kdjax.checkpoints import Checkpoints
 from kdjax.data.packing import next_token_labels
 from kdjax.models import attention, llama
@@ -43,13 +43,10 @@ from kdjax.models import attention, llama
 PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100": 989e12,
               "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12}
 
-STATE_MEMORIES = ("device", "host")  # where AdamW's moments live between updates
 TRAINED = ("params", "hidden_proj")  # the state's entries the optimizer updates (when present)
 # Of several processes, a log line names the one whose batches others waited for when it spent
 # more than this share of the time waiting for them.
 SLOW_WAIT = 0.2
-# The cached objectives (kdjax.kernels.objectives) and "online": the teacher in the step.
-OBJECTIVES = objectives.OBJECTIVES + ("online",)
 
 
 def peak_flops(override_tflops: float = 0.0) -> float | None:

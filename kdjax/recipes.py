@@ -1,4 +1,9 @@
-"""Shared by configs/8k.py and configs/32k.py: an 8B-class teacher distilled into a ~3B student."""
+"""The builders configs/*.py share: an 8B-class teacher distilled into a ~3B student at long
+context (configs/8k.py, 32k.py, and the start of configs/gpt_oss.py).
+
+Here rather than in configs/ so that a config file loaded by path (ml_collections loads
+`--config=configs/8k.py` as a file, not as a module of a package) imports it like any module.
+"""
 from kdjax import config
 
 
