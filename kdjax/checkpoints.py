@@ -11,6 +11,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from kdjax.errors import UserError
 from kdjax.models import llama
 
 
@@ -44,7 +45,7 @@ class Checkpoints:
     meta = {**_meta(llama.ModelConfig()), **meta}
     if meta != self.model_meta:
       diff = {k: (meta.get(k), v) for k, v in self.model_meta.items() if meta.get(k) != v}
-      raise ValueError(
+      raise UserError(
           f"{self.manager.directory} holds a checkpoint of a different model (saved vs config: "
           f"{diff}). Use another workdir, or delete that checkpoint to start over.")
 

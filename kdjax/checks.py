@@ -4,17 +4,18 @@ mistake costs seconds rather than a teacher pass."""
 import os
 
 from kdjax import tokenizer
+from kdjax.errors import UserError
 from kdjax.data import sources
 from kdjax.models import prune
 
 
 def check_inputs(c, tokenizer_path: str) -> None:
-  """Raises FileNotFoundError / ValueError (or the loaders' own errors, which name the file)."""
+  """Raises UserError (or the loaders' own, which name the file)."""
   stages = set(c.stages)
   for field, path in (("workdir", c.workdir), ("cache.path", c.cache.path)):
     if path and os.path.isfile(path):
-      raise NotADirectoryError(f"{field} = {path} is a file; set --config.{field} to a "
-                               "directory (it is created if missing).")
+      raise UserError(f"{field} = {path} is a file; set --config.{field} to a directory (it "
+                      "is created if missing).")
   if "data" in stages and c.data.source != "stdlib":
     sources.source_paths(c.data.source)  # names a missing file or an empty glob
   if "data" in stages and c.data.eval_source:
@@ -24,7 +25,7 @@ def check_inputs(c, tokenizer_path: str) -> None:
   if "data" in stages:
     _chat_template(c, tok, tokenizer_path)
   if c.teacher.hf_path and not c.data.tokenizer and "data" in stages:
-    raise ValueError(
+    raise UserError(
         f"teacher.hf_path is set but data.tokenizer is empty, so stage 'data' would train a new "
         f"tokenizer the teacher cannot read: set --config.data.tokenizer={c.teacher.hf_path}.")
   vocab = tok.vocab_size if tok is not None else None
@@ -47,7 +48,7 @@ def check_inputs(c, tokenizer_path: str) -> None:
       output_vocab[role] = group.vocab_size or vocab
   if len(output_vocab) == 2 and output_vocab["teacher"] != output_vocab["student"]:
     source = "its checkpoint" if c.student.hf_path else "student.vocab_size"
-    raise ValueError(
+    raise UserError(
         f"the student predicts over {output_vocab['student']} tokens ({source}), the teacher over "
         f"{output_vocab['teacher']}: a student must share its teacher's vocabulary. "
         + ("Set --config.student.vocab_size=0 to take the tokenizer's size."
@@ -60,7 +61,7 @@ def _run_tokenizer(c, tokenizer_path: str, stages: set):
   if c.data.tokenizer or os.path.exists(tokenizer_path):
     return tokenizer.load(tokenizer_path)  # names a missing or unreadable file
   if "data" not in stages:
-    raise FileNotFoundError(
+    raise UserError(
         f"no tokenizer: {tokenizer_path} does not exist and stage 'data', which writes it, is not "
         "listed. Add 'data' to --config.stages, or set --config.data.tokenizer.")
   return None
@@ -78,7 +79,7 @@ def _chat_template(c, tok, tokenizer_path: str) -> None:
   whose = (f"the tokenizer {tokenizer_path} has no chat template (no chat_template.jinja, "
            "chat_template.json or tokenizer_config.json 'chat_template')" if tok is not None
            else "stage 'data' would train a tokenizer, which has no chat template")
-  raise ValueError(
+  raise UserError(
       f"{path} holds chat records ({c.data.messages_field!r}) but {whose}: set "
       "--config.data.tokenizer to a checkpoint directory whose tokenizer has one, or give "
       f"plain-text records ({c.data.text_field!r}).")
@@ -89,7 +90,7 @@ def _same_tokenizer(role: str, hf_path: str, tok, run_tokenizer_path: str) -> No
   if tok is None or not os.path.exists(own_path):
     return
   if tokenizer.tokenizer_hash(tokenizer.load(hf_path)) != tokenizer.tokenizer_hash(tok):
-    raise ValueError(
+    raise UserError(
         f"{own_path} ({role}.hf_path) is not the run's tokenizer ({run_tokenizer_path}): teacher, "
         f"student and cache must share one. Set --config.data.tokenizer={hf_path}, or pick a "
         f"{role} checkpoint with the run's tokenizer.")

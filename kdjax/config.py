@@ -9,6 +9,7 @@ import re
 
 import ml_collections
 
+from kdjax.errors import UserError
 from kdjax.cache.layout import LAYOUTS
 from kdjax.data.sources import LOSS_MASKS
 from kdjax.kernels import IMPLS, objectives
@@ -165,7 +166,7 @@ def base() -> ml_collections.ConfigDict:
 
 def _require(ok: bool, msg: str):
   if not ok:
-    raise ValueError(f"config: {msg}")
+    raise UserError(f"config: {msg}")
 
 
 def _check_model(name: str, g):
@@ -219,7 +220,7 @@ def _check_init(c):
 
 
 def validate(c: ml_collections.ConfigDict):
-  """Raises ValueError naming the field set wrong, its value and the allowed values."""
+  """Raises UserError naming the field set wrong, its value and the allowed values."""
   unknown = [s for s in c.stages if s not in STAGES]
   _require(not unknown, f"unknown stages {unknown}; choose from {STAGES}")
   order = [STAGES.index(s) for s in c.stages]

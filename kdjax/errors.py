@@ -1,33 +1,29 @@
 """User errors: the exceptions kdjax raises on purpose for bad input, and how they are shown.
 
 A user error's message names what to change, so `python -m kdjax.main` prints that message alone
-(its traceback with --debug or KDJAX_DEBUG=1). Any other exception is a bug and keeps its traceback.
+(its traceback with --debug or KDJAX_DEBUG=1). Any other exception, a ValueError of an internal
+contract check included, is a bug and keeps its traceback.
 """
 import os
-import traceback
 
-import kdjax
 from kdjax.cache.errors import CacheError
-from kdjax.data.chat import ChatTemplateError
-from kdjax.data.sources import DataError
 
-# kdjax's own classes, raised only for bad input. models.hf.CheckpointError is a ValueError raised
-# by kdjax, so the rule below covers it without importing safetensors on every run.
-USER_ERRORS = (CacheError, DataError, ChatTemplateError)
-# Raised by kdjax's checks (config.validate, checks.check_inputs, train.fit's non-finite check)
-# but by libraries too, where they can mean a bug: user errors only when a kdjax line raised them.
-CHECK_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, FloatingPointError)
-_PACKAGE = os.path.dirname(os.path.abspath(kdjax.__file__)) + os.sep
+
+class UserError(ValueError):
+  """Bad input (config, paths, data, checkpoints), raised where kdjax checks it; the message says
+  what to change. A ValueError, so callers that catch those (ml_collections, tests) still do."""
+
+
+# Besides UserError and its subclasses (data.sources.DataError, data.chat.ChatTemplateError,
+# models.hf.CheckpointError): the sequence stores' own error, and train.fit's non-finite loss or
+# parameters (FloatingPointError, with the step and what to do; JAX raises it too, only under
+# jax_debug_nans, which a run does not set).
+USER_ERRORS = (UserError, CacheError, FloatingPointError)
 
 
 def is_user_error(e: BaseException) -> bool:
   """Whether `e` reports bad input (print its message) rather than a bug (show its traceback)."""
-  if isinstance(e, USER_ERRORS):
-    return True
-  if not isinstance(e, CHECK_ERRORS) or e.__traceback__ is None:
-    return False
-  raised_in = traceback.extract_tb(e.__traceback__)[-1].filename
-  return os.path.abspath(raised_in).startswith(_PACKAGE)
+  return isinstance(e, USER_ERRORS)
 
 
 def message(e: BaseException | str) -> str:

@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from kdjax.errors import UserError
+
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
@@ -50,10 +52,10 @@ def make_mesh(g, devices=None) -> Mesh:
   size = int(np.prod(shape))
   if size > len(devices) or (jax.process_count() > 1 and size != len(devices)):
     most = "exactly" if jax.process_count() > 1 else "at most"
-    raise ValueError(f"mesh data x fsdp x tensor = {' x '.join(map(str, shape))} = {size} "
-                     f"devices, but this run has {len(devices)} ({jax.process_count()} "
-                     f"processes): set mesh.data, mesh.fsdp and mesh.tensor so their product "
-                     f"is {most} {len(devices)}.")
+    raise UserError(f"mesh data x fsdp x tensor = {' x '.join(map(str, shape))} = {size} "
+                    f"devices, but this run has {len(devices)} ({jax.process_count()} "
+                    f"processes): set mesh.data, mesh.fsdp and mesh.tensor so their product "
+                    f"is {most} {len(devices)}.")
   return Mesh(np.asarray(devices[:size]).reshape(shape), AXES)
 
 
@@ -245,8 +247,8 @@ def sharded_loss(loss_fn, mesh: Mesh | None, hidden_BxTxD, lm_head_DxV, batch: d
     return loss_fn(hidden_BxTxD, lm_head_DxV, batch, vocab_axis=None)
   tensor = mesh.shape["tensor"]
   if lm_head_DxV.shape[1] % tensor:
-    raise ValueError(f"the student's vocabulary ({lm_head_DxV.shape[1]}) cannot be split over "
-                     f"mesh.tensor = {tensor} devices: make mesh.tensor a divisor of it.")
+    raise UserError(f"the student's vocabulary ({lm_head_DxV.shape[1]}) cannot be split over "
+                    f"mesh.tensor = {tensor} devices: make mesh.tensor a divisor of it.")
   vocab_axis = "tensor" if tensor > 1 else None
 
   def local(hidden_BxTxD, lm_head_DxV, batch):

@@ -24,6 +24,7 @@ from flax import nnx
 
 from kdjax import (cache, checkpoints, checks, config, data, evaluate, parallel, plots, teacher,
                    tokenizer, train)
+from kdjax.errors import UserError
 from kdjax.models import llama, prune
 
 
@@ -170,7 +171,7 @@ def load_teacher(c, paths: Paths, mesh=None):
     return new_model(c.teacher, 0, c.seed, mesh)[0]
   model = finished_model(c, paths, "teacher", c.teacher, c.pretrain)
   if model is None:
-    raise FileNotFoundError(
+    raise UserError(
         f"no finished teacher in {paths.run('teacher')}: set teacher.hf_path to a Hugging Face "
         "checkpoint directory, or add stage 'pretrain' before 'cache'.")
   return model
@@ -302,7 +303,7 @@ def stage_export(c, paths: Paths):
   from kdjax.models import hf
   model = finished_model(c, paths, "student", c.student, c.opt)
   if model is None:
-    raise FileNotFoundError(
+    raise UserError(
         f"no finished student in {paths.run('student')} (opt.steps = {c.opt.steps}): run stage "
         "'train' before 'export'.")
   cfg = model.cfg

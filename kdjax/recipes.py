@@ -5,6 +5,7 @@ Here rather than in configs/ so that a config file loaded by path (ml_collection
 `--config=configs/8k.py` as a file, not as a module of a package) imports it like any module.
 """
 from kdjax import config
+from kdjax.errors import UserError
 
 
 def llama_8b_teacher(c):
@@ -60,5 +61,5 @@ def long_context(seq_len: int, workdir: str, variant: str):
     c.loss.chunk_size = 40  # not a divisor of seq_len: exercises the padded last chunk
     c.eval.max_seqs = 4
   elif variant:
-    raise ValueError(f"unknown variant {variant!r}; the only variant is ':smoke'")
+    raise UserError(f"unknown variant {variant!r}; the only variant is ':smoke'")
   return c

@@ -16,6 +16,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from kdjax.cache import durable
+from kdjax.errors import UserError
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 # Document separators. A plain-text document ends with the vocabulary's dedicated end-of-text
@@ -93,7 +94,7 @@ def _token_id(hf: tokenizers.Tokenizer, token: str | None) -> int | None:
     return None
   token_id = hf.token_to_id(token)
   if token_id is None:
-    raise ValueError(f"special token {token!r} is not in the tokenizer's vocabulary")
+    raise UserError(f"special token {token!r} is not in the tokenizer's vocabulary")
   return token_id
 
 
@@ -158,19 +159,19 @@ def load(path: str) -> Tokenizer:
     file = os.path.join(path, "tokenizer.json")
     config_file = os.path.join(path, "tokenizer_config.json")
     if not os.path.exists(file):
-      raise FileNotFoundError(
+      raise UserError(
           f"{path} has no tokenizer.json (it holds {sorted(os.listdir(path))}); for a checkpoint "
           "with only a slow tokenizer (tokenizer.model), transformers' "
           "AutoTokenizer.from_pretrained(dir).save_pretrained(dir) writes one")
   else:
     file, config_file = path, None
   if not os.path.exists(file):
-    raise FileNotFoundError(
+    raise UserError(
         f"no tokenizer at {file}: give a tokenizer.json or a HF checkpoint directory holding one")
   try:
     hf = tokenizers.Tokenizer.from_file(file)
   except Exception as e:  # tokenizers raises a bare Exception that names no file
-    raise ValueError(
+    raise UserError(
         f"{file} is not a tokenizer ({e}): a tokenizer path must be a directory holding "
         "tokenizer.json, or a tokenizer.json file, as written by Hugging Face tokenizers") from e
   if config_file is None:
@@ -218,8 +219,8 @@ def _template(directory: str, config: dict) -> str | None:
       try:
         return _chat_template(json.load(f))
       except (ValueError, AttributeError, KeyError, TypeError) as e:
-        raise ValueError(f"{legacy} is not a chat template file ({e}): it must hold "
-                         '{"chat_template": "<jinja2 template>"}') from e
+        raise UserError(f"{legacy} is not a chat template file ({e}): it must hold "
+                        '{"chat_template": "<jinja2 template>"}') from e
   return None
 
 

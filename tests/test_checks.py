@@ -6,6 +6,7 @@ import os
 import pytest
 
 from kdjax import checks, config, pipeline, tokenizer
+from kdjax.errors import UserError
 from kdjax.models import hf
 
 WORDS = [" ".join(f"w{i * j % 97}" for j in range(40)) for i in range(60)]
@@ -60,9 +61,9 @@ def test_a_good_run_passes(world, tmp_path):
 def test_workdir_or_cache_path_is_a_file(world, tmp_path):
   (tmp_path / "file").write_text("x")
   refused(run_config(world, tmp_path, **{"cache.path": str(tmp_path / "file")}),
-          NotADirectoryError, "cache.path", "is a file")
+          UserError, "cache.path", "is a file")
   c = run_config(world, tmp_path, workdir=str(tmp_path / "file"))
-  with pytest.raises(NotADirectoryError, match="workdir"):
+  with pytest.raises(UserError, match="workdir"):
     checks.check_inputs(c, str(tmp_path / "t.json"))
 
 
@@ -102,7 +103,7 @@ def test_student_checkpoint_with_another_tokenizer(world, tmp_path):
 def test_no_tokenizer_and_no_data_stage(world, tmp_path):
   refused(run_config(world, tmp_path, **{"data.tokenizer": "", "teacher.hf_path": "",
                                          "stages": ("train",)}),
-          FileNotFoundError, "no tokenizer", "'data'")
+          UserError, "no tokenizer", "'data'")
 
 
 def test_chat_data_with_a_tokenizer_without_template(world, tmp_path, smollm2_tokenizer):

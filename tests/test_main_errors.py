@@ -8,6 +8,10 @@ import pytest
 
 from kdjax import config, errors
 from kdjax.cache.errors import CacheError
+from kdjax.data import packing
+from kdjax.data.chat import ChatTemplateError
+from kdjax.data.sources import DataError
+from kdjax.models.hf import CheckpointError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = f"--config={ROOT}/configs/demo.py"
@@ -63,9 +67,12 @@ def test_interrupt_exits_130_quietly():
 
 
 def test_bug_keeps_its_traceback():
-  out = run(body="int('not a number')")  # a ValueError, but not one of kdjax's checks
+  """A ValueError that kdjax itself raises for a broken internal contract is a bug, not bad input:
+  its traceback shows where."""
+  out = run(body="from kdjax.data import packing; packing.Packer(1, bos_id=None, eos_id=None)")
   assert out.returncode == 1
-  assert "Traceback" in out.stderr and "ValueError: invalid literal" in out.stderr
+  assert "Traceback" in out.stderr and "ValueError: seq_len must be >= 2, got 1" in out.stderr
+  assert "packing.py" in out.stderr
 
 
 def raised(fn):
@@ -76,11 +83,15 @@ def raised(fn):
   raise AssertionError("no exception")
 
 
-def test_user_errors_are_kdjax_classes_or_raised_by_kdjax_checks():
+def test_user_errors_are_user_error_classes_alone():
   bad = config.base()
   bad.opt.steps = 0
-  assert errors.is_user_error(raised(lambda: config.validate(bad)))
-  assert errors.is_user_error(CacheError("no store"))
+  assert type(raised(lambda: config.validate(bad))) is errors.UserError
+  for e in (CacheError("no store"), DataError("x"), ChatTemplateError("x"), CheckpointError("x"),
+            FloatingPointError("non-finite loss at step 3")):
+    assert errors.is_user_error(e), type(e)
   assert not errors.is_user_error(raised(lambda: int("x")))
   assert not errors.is_user_error(raised(lambda: {}["key"]))
+  # raised by kdjax's own code, but for a broken internal contract: a bug
+  assert not errors.is_user_error(raised(lambda: packing.Packer(1, bos_id=None, eos_id=None)))
   assert errors.message(CacheError("no store at x")) == "kdjax: no store at x"

@@ -9,6 +9,7 @@ import tokenizers
 
 from kdjax import tokenizer
 from kdjax.data import sources
+from kdjax.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_save_as_dir_and_missing_path(trained, tmp_path):
   loaded = tokenizer.load(str(tmp_path / "ckpt"))
   assert (loaded.bos_token, loaded.eos_token, loaded.pad_token) == ("<|bos|>", "<|eos|>", "<|pad|>")
   assert tokenizer.tokenizer_hash(loaded) == tokenizer.tokenizer_hash(tok)
-  with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+  with pytest.raises(UserError, match="tokenizer.json"):
     tokenizer.load(str(tmp_path / "nowhere"))
 
 
@@ -100,7 +101,7 @@ def test_load_names_what_is_wrong(tmp_path):
     with pytest.raises(ValueError, match=f"{file} is not a tokenizer .*must be a directory "
                        "holding tokenizer.json, or a tokenizer.json file"):
       tokenizer.load(file)
-  with pytest.raises(FileNotFoundError, match=f"{tmp_path} has no tokenizer.json "
+  with pytest.raises(UserError, match=f"{tmp_path} has no tokenizer.json "
                      r"\(it holds \['config.json', 'model.safetensors'\]\)"):
     tokenizer.load(str(tmp_path))
 

@@ -29,12 +29,14 @@ import jinja2.ext
 import jinja2.sandbox
 from jinja2 import nodes
 
+from kdjax.errors import UserError
+
 # Private-use code points bracketing {% generation %} output; removed after rendering.
 _OPEN, _CLOSE = "\ue000", "\ue001"
 _MARKS = re.compile(f"([{_OPEN}{_CLOSE}])")
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(UserError):
   """The template failed or cannot locate assistant turns; the message says why."""
 
 

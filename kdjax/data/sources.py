@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import tqdm
 
 from kdjax.data import chat
+from kdjax.errors import UserError
 
 # Directories of the standard library that are not library code (tests, the IDLE app, installed
 # third-party packages) or are mostly data (codec tables, pydoc's help text).
@@ -26,7 +27,7 @@ _PARQUET_BATCH = 256
 LOSS_MASKS = ("all", "assistant")  # which tokens are targets: all, or assistant turns only
 
 
-class DataError(ValueError):
+class DataError(UserError):
   """A source cannot be read as asked; the message names the file and document."""
 
 

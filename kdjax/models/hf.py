@@ -25,6 +25,7 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from kdjax import tokenizer
+from kdjax.errors import UserError
 from kdjax.models import hf_families
 from kdjax.models.llama import ModelConfig, Transformer
 
@@ -41,7 +42,7 @@ _SHARD_BYTES = 4 << 30
 _SOURCE_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
   """A checkpoint directory kdjax cannot use; the message says why and what to do."""
 
 
@@ -95,7 +96,10 @@ def _config_and_kind(path: str, dtype: str, param_dtype: str | None, remat: bool
     real = tokenizer_vocab
   cfg = ModelConfig(**fields, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat,
                     real_vocab_size=None if real in (None, vocab) else real)
-  return cfg.validate(), hf["model_type"]
+  try:
+    return cfg.validate(), hf["model_type"]
+  except ValueError as e:  # shapes kdjax's model cannot take
+    raise CheckpointError(f"{path}: {e}") from None
 
 
 def config_from_hf(path: str, *, dtype: str = "float32", param_dtype: str | None = None,

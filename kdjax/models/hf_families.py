@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 import jax.numpy as jnp
 import numpy as np
 
+from kdjax.errors import UserError
 from kdjax.models import moe, rope
 from kdjax.models.llama import ModelConfig
 
@@ -28,7 +29,7 @@ _MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
     "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
 
 
-class FamilyError(ValueError):
+class FamilyError(UserError):
   """A config.json kdjax cannot map onto its model; hf.py reports it with the path."""
 
 

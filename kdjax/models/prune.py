@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from kdjax import parallel
+from kdjax.errors import UserError
 from kdjax.models import attention as attention_lib
 from kdjax.models import llama
 from kdjax.models import rope
@@ -30,28 +31,31 @@ NUMERICS = ("dtype", "param_dtype", "remat", "attention_impl")  # and its own nu
 
 
 def student_config(teacher_cfg: llama.ModelConfig, **values) -> llama.ModelConfig:
-  """The teacher's config with the student's PRUNED dims and NUMERICS; raises ValueError naming
+  """The teacher's config with the student's PRUNED dims and NUMERICS; raises UserError naming
   the field (as `student.<name>`) that cannot be pruned to."""
   unknown = set(values) - set(PRUNED + NUMERICS)
   if unknown:
     raise ValueError(f"a pruned student sets only {PRUNED + NUMERICS}, got {sorted(unknown)}.")
   if teacher_cfg.n_experts:
-    raise ValueError("pruning a mixture-of-experts teacher is not supported: init.from_teacher "
-                     "needs a dense teacher (n_experts = 0).")
+    raise UserError("pruning a mixture-of-experts teacher is not supported: init.from_teacher "
+                    "needs a dense teacher (n_experts = 0).")
   if teacher_cfg.sliding_window:
-    raise ValueError("pruning a teacher with a sliding window is not supported: its windowed "
-                     "layers go by layer parity, which dropping layers would change.")
+    raise UserError("pruning a teacher with a sliding window is not supported: its windowed "
+                    "layers go by layer parity, which dropping layers would change.")
   for name in PRUNED:
     if name in values and not 0 < values[name] <= getattr(teacher_cfg, name):
-      raise ValueError(f"student.{name} ({values[name]}) must be in [1, the teacher's "
-                       f"{getattr(teacher_cfg, name)}] to prune the teacher to it.")
+      raise UserError(f"student.{name} ({values[name]}) must be in [1, the teacher's "
+                      f"{getattr(teacher_cfg, name)}] to prune the teacher to it.")
   cfg = dataclasses.replace(teacher_cfg, **values)
   ratio = teacher_cfg.n_heads // teacher_cfg.n_kv_heads
   if cfg.n_heads != ratio * cfg.n_kv_heads:
-    raise ValueError(f"student.n_heads ({cfg.n_heads}) must be {ratio} x student.n_kv_heads "
-                     f"({cfg.n_kv_heads}): whole key/value groups of the teacher are kept, each "
-                     f"with its {ratio} query heads.")
-  return cfg.validate("student.")
+    raise UserError(f"student.n_heads ({cfg.n_heads}) must be {ratio} x student.n_kv_heads "
+                    f"({cfg.n_kv_heads}): whole key/value groups of the teacher are kept, each "
+                    f"with its {ratio} query heads.")
+  try:
+    return cfg.validate("student.")
+  except ValueError as e:  # a field the student sets that the model refuses
+    raise UserError(str(e)) from None
 
 
 def group_config(teacher_cfg: llama.ModelConfig, group, layers=()) -> llama.ModelConfig:
@@ -67,13 +71,13 @@ def check_layers(layers, teacher_layers: int, n_layers: int) -> None:
   """Chosen layers: n_layers distinct teacher layer indices, in increasing order."""
   layers = tuple(layers)
   if len(layers) != n_layers:
-    raise ValueError(f"init.layers lists {len(layers)} layers but student.n_layers is "
-                     f"{n_layers}: list that many (or none, to keep the most important).")
+    raise UserError(f"init.layers lists {len(layers)} layers but student.n_layers is "
+                    f"{n_layers}: list that many (or none, to keep the most important).")
   if any(not 0 <= i < teacher_layers for i in layers):
-    raise ValueError(f"init.layers {layers} must be indices of the teacher's {teacher_layers} "
-                     "layers (0-based).")
+    raise UserError(f"init.layers {layers} must be indices of the teacher's {teacher_layers} "
+                    "layers (0-based).")
   if list(layers) != sorted(set(layers)):
-    raise ValueError(f"init.layers {layers} must be distinct and in increasing order.")
+    raise UserError(f"init.layers {layers} must be distinct and in increasing order.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +158,7 @@ def measure(teacher: llama.Transformer, rows: dict, batch_size: int) -> Importan
                            + np.asarray(_final_channels(teacher, x_BxTxD, segment_ids_BxT)))
     sums = {name: sums.get(name, 0.0) + value for name, value in batch.items()}
   if not count:
-    raise ValueError("the calibration rows hold no tokens (all padding): nothing to measure.")
+    raise UserError("the calibration rows hold no tokens (all padding): nothing to measure.")
   return Importance(block_L=sums["block"] / count, groups_LxG=sums["groups_G"] / count,
                     neurons_LxF=sums["neurons_F"] / count, channels_D=sums["channels_D"] / count)
 
