@@ -8,16 +8,16 @@ dequantised one layer at a time) and a jsonl/parquet dataset; configs/gpt_oss.py
 gpt-oss-20b. The teacher writes its top-100 (compact layout) once at 8K per row; the student has
 gpt-oss-20b's layer shapes (32 experts, top-4, V = 201,088) with STUDENT_LAYERS layers, float32
 parameters and AdamW, and trains at 32K with the fused loss. Its attention is plain causal (no
-sinks, no sliding window), so it runs on cuDNN; the teacher's sinks and windows run on the
-blocked einsum path (kdjax/models/attention.py).
-With STUDENT_LAYERS = 8 the student's step peaks at 125.9 GiB: run it with
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (launch/gpu.sh's default, 0.90, leaves 125 GiB).
+sinks, no sliding window); both models' attention runs on cuDNN, the teacher's sinks and sliding
+windows included (kdjax/models/attention.py).
+With STUDENT_LAYERS = 8 the student's step needs more than launch/gpu.sh's default share of the
+GPU (0.90): run it with XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (BENCHMARKS.md, MoE: its peak).
 CPU variant for tests: --config=configs/gpt_oss.py:smoke
 """
 from kdjax import recipes
 
-# gpt-oss-20b has 24; 8 is as many as fit one H200 with float32 AdamW at 32K (measured: 125.9
-# GiB peak, so XLA_PYTHON_CLIENT_MEM_FRACTION=0.95; 9 would need ~138 GiB). BENCHMARKS.md, MoE.
+# gpt-oss-20b has 24; 8 is as many as fit one H200 with float32 AdamW at 32K (BENCHMARKS.md, MoE:
+# the measured peak, and what 9 would need).
 STUDENT_LAYERS = 8
 VOCAB = 201088  # o200k_harmony
 
@@ -51,7 +51,7 @@ def get_config(variant: str = ""):
   gpt_oss(c.teacher, n_layers=36 if big else 24, n_experts=128 if big else 32, packed=True)
   c.teacher.update(dtype="bfloat16", param_dtype="bfloat16")
   gpt_oss(c.student, n_layers=STUDENT_LAYERS, n_experts=32, packed=False)
-  # vocab_size 0: the tokenizer's (the teacher's); no sinks or window, so cuDNN attention
+  # vocab_size 0: the tokenizer's (the teacher's); plain causal attention, no sinks or window
   c.student.update(vocab_size=0, attention_sinks=False, sliding_window=0, dtype="bfloat16",
                    param_dtype="float32")
   c.student.rope_scaling = {}  # trained at 32K from the start: plain RoPE

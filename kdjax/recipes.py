@@ -42,8 +42,9 @@ def long_context(seq_len: int, workdir: str, variant: str):
   c.loss.chunk_size = 0  # sized by the loss kernel to the memory it has
   c.opt.update(lr=1e-4, steps=2000, batch_size=1, accum_steps=32, warmup_steps=100,
                log_every=1, ckpt_every=50)
-  # The gradient sum over 32 micro-batches in bf16: 6 GiB less for the 3B student, which is
-  # what keeps 8K under 48 GiB with float32 AdamW (BENCHMARKS.md, e2e); float32 is the exact one.
+  # The gradient sum over 32 micro-batches in bf16: 2 bytes a parameter less for the 3B student,
+  # which keeps 8K within its memory target with float32 AdamW (BENCHMARKS.md, e2e: the
+  # measured peaks); float32 is the exact one.
   c.opt.accum_dtype = "bfloat16"
   c.eval.batch_size = 1
   c.eval.max_seqs = 64

@@ -37,7 +37,7 @@ from kdjax.kernels import chunked, mgpu, objectives, pallas_exact
 SAFE_LOW, SAFE_HIGH = -24.0, 64.0
 # The fused path's working set per [C, V] element is E alone (2 bytes; else z and E, 6 bytes),
 # and its chunk temporaries beyond E take ~0.3 of E: so a sixth of the unavoidable memory
-# (chunked.default_chunk) keeps A/256K (D 4096, V 131072) under 7.5 GiB, with chunk 4096.
+# (chunked.default_chunk) holds the chunk (BENCHMARKS.md, loss head section: the measured peaks).
 FUSED_ENTRY_BYTES = 2
 FUSED_SHARE = 1 / 6
 FUSED_MAX_CHUNK = 3 * chunked.MAX_CHUNK

@@ -22,12 +22,13 @@ memory by TMA, wgmma with a float32 accumulator, the tile stored by TMA):
 `grouped_matmul` is differentiable (custom_vjp: the gradients are these two kernels). It runs
 the kernels on a GPU for bf16/f16 operands whose widths tile (`applies`), and its reference
 (jax.lax.ragged_dot on the same layout) otherwise: on CPU, for float32, and for shapes the kernels
-do not tile. Why kernels: XLA's ragged_dot on the H200 ran at 24 TFLOP/s for gpt-oss-20b's 32
-experts and 6 TFLOP/s for the 120b's 128 (experiments/moe_matmul_bench.py, BENCHMARKS.md).
+do not tile. Why kernels: XLA's ragged_dot on the H200 ran far below the matmul peak at gpt-oss's
+expert counts (experiments/moe_matmul_bench.py; BENCHMARKS.md, MoE: its figures).
 Off GPU the kernels run in Mosaic GPU's interpreter, so CPU tests cover the same code.
 
-Shape letters: X experts, P padded rows (assignments), M row tiles (P / BM), K contraction,
-N output columns.
+Shape letters (ARCHITECTURE.md's legend, with its meanings in this module and models/moe.py): X
+experts, Y assignments, P the assignments' rows padded to whole row tiles, M row tiles (P / BM);
+the matmuls are [P, K] x [K, N]: K their contraction, N their output columns.
 """
 import dataclasses
 import functools

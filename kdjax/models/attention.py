@@ -187,8 +187,8 @@ def _attend(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, mask_BxTxS, sinks_H):
 
 # cuDNN's packed backward takes a float32 workspace of about 2 x (B * m * T * H * E) x 4 bytes
 # for m documents per call: it sizes every document of the bound m as if it were T long. With
-# Llama-3.2-3B's heads at T = 128K and m = 16 that is 48 GiB per layer (as XLA's buffer
-# assignment on the H200 showed; BENCHMARKS.md). Calls
+# Llama-3.2-3B's heads at T = 128K and m = 16 that is 48 GiB per layer (XLA's buffer assignment
+# on the H200 agreed; BENCHMARKS.md). Calls
 # therefore take at most max(2, WORKSPACE_POSITIONS // (B * T)) documents each: B * m * T stays
 # within 2^18 positions (~6 GiB at 24 x 128 heads) from T = 256K down, and at 8K one call takes
 # 32 documents.

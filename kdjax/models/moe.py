@@ -1,8 +1,10 @@
 """Mixture-of-experts MLP (Qwen3-MoE, gpt-oss): a router sends each token to U of X experts.
 
 Shape letters as in llama.py, and: X experts, U experts per token (the router's top-k), N tokens
-(positions flattened over the batch), Y = N * U token-expert assignments; for packed (MXFP4)
-experts, O rows of a stored matrix and Z blocks of 32 values along its contraction.
+(positions flattened over the batch), Y = N * U token-expert assignments (in token order, or
+sorted by expert: `order_Y`), P their rows padded to whole row tiles of the grouped matmuls, M
+those row tiles; for packed (MXFP4) experts, O rows of a stored matrix and Z blocks of 32 values
+along its contraction.
 
 The experts run as grouped matmuls (kdjax/kernels/grouped.py: Mosaic GPU kernels on a GPU,
 `jax.lax.ragged_dot` elsewhere) over the assignments sorted by expert, each expert's rows one
@@ -149,14 +151,15 @@ class MoE(nnx.Module):
     # Assignments sorted by expert, laid out so each expert's rows start a row tile of the
     # grouped matmuls (kdjax/kernels/grouped.py); padding rows are zero and discarded.
     t = grouped.tiles()
-    expert_A = experts_NxU.reshape(-1)  # assignment a = token a // U, its (a % U)-th expert
-    assignments = expert_A.shape[0]
-    order_Y = jnp.argsort(expert_A, stable=True)
-    group_sizes_X = jnp.bincount(expert_A, length=cfg.n_experts).astype(jnp.int32)
+    expert_Y = experts_NxU.reshape(-1)  # assignment a = token a // U, its (a % U)-th expert
+    assignments = expert_Y.shape[0]
+    order_Y = jnp.argsort(expert_Y, stable=True)
+    group_sizes_X = jnp.bincount(expert_Y, length=cfg.n_experts).astype(jnp.int32)
     groups = grouped.layout(group_sizes_X, assignments, t.bm)
     rows = grouped.padded_rows(assignments, cfg.n_experts, t.bm)
-    row_A = jnp.zeros((assignments,), jnp.int32).at[order_Y].set(groups.row_Y)
-    token_P = jnp.full((rows,), b * t_len, jnp.int32).at[row_A].set(
+    # each assignment's row, in token order (groups.row_Y: in expert order)
+    token_row_Y = jnp.zeros((assignments,), jnp.int32).at[order_Y].set(groups.row_Y)
+    token_P = jnp.full((rows,), b * t_len, jnp.int32).at[token_row_Y].set(
         jnp.arange(assignments, dtype=jnp.int32) // cfg.experts_per_token)
     y_PxD = jnp.take(y_NxD, token_P, axis=0, mode="fill", fill_value=0)  # no token: zeros
     if cfg.expert_bias:  # each padded row's expert, for the biases
@@ -186,6 +189,6 @@ class MoE(nnx.Module):
       out_PxD = out_PxD + self.b_down_XxD[...].astype(jnp.float32)[expert_P]
 
     # Back to token order, then the weighted sum over each token's U experts.
-    out_NxUxD = out_PxD[row_A].reshape(b * t_len, cfg.experts_per_token, d)
+    out_NxUxD = out_PxD[token_row_Y].reshape(b * t_len, cfg.experts_per_token, d)
     out_NxD = jnp.einsum("nud,nu->nd", out_NxUxD, weights_NxU)
     return out_NxD.reshape(b, t_len, d).astype(dt)
