@@ -37,37 +37,18 @@ import subprocess
 import sys
 import tempfile
 
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from kdjax import cache, teacher
 from kdjax.cache import __main__ as cli
 from kdjax.cache import attributes, failpoints
+from kdjax.models.stand_in import StandIn  # its defaults: V = 64, D = 16
 
 V, D, T, K, ROWS, REGION_ROWS = 64, 16, 16, 8, 48, 2
 REGIONS = ROWS // REGION_ROWS
 POINTS = ("locked", "batch", "before_data", "data", "after_data", "after_record")
 ATTRIBUTES = {"vocab_size": V - 4, "k": K - 1, "layout": "float32", "logprob_scale": 2.0**-10,
               "tokenizer_hash": "other", "teacher_hash": "other", "region_rows": 3}
-
-
-class StandIn(nnx.Module):
-  """A teacher following the model contract: hidden = f(tokens, positions), lm_head [D, V], with
-  fixed weights (caches written by separate processes must agree); the cache tests use it too."""
-
-  def __init__(self, vocab: int = V, dim: int = D):
-    rng = np.random.default_rng(0)
-    self.embed_VxD = nnx.Param(jnp.asarray(rng.normal(size=(vocab, dim)), jnp.float32))
-    self.mix_DxD = nnx.Param(jnp.asarray(rng.normal(size=(dim, dim)) / 4, jnp.float32))
-
-  def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT, max_documents=None):
-    del max_documents  # no attention
-    x_BxTxD = self.embed_VxD[...][tokens_BxT] + 0.1 * positions_BxT[..., None]
-    return 3.0 * jnp.tanh(x_BxTxD @ self.mix_DxD[...]) * (segment_ids_BxT > 0)[..., None]
-
-  def lm_head_DxV(self):
-    return self.embed_VxD[...].T
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

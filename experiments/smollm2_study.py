@@ -40,7 +40,8 @@ from configs import smollm2  # noqa: E402
 from kdjax import cache, evaluate, pipeline  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "smollm2.jsonl")
-HF_REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_reference.py")
+HF_REFERENCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kdjax",
+                            "hf_reference.py")
 HIDDEN_DIM = 144  # the cached hidden states: the teacher's 576 columns projected to a quarter
 METRICS = ("ce", "full_kl", "top1", "ece")
 PERPLEXITY_ROWS = 32  # held-out rows whose documents transformers scores per exported student

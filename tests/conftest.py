@@ -30,7 +30,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from kdjax import cache, teacher  # noqa: E402
+from kdjax.models.stand_in import StandIn  # noqa: E402
 from tests.fixtures.shared import shared  # noqa: E402
+from tests.fixtures.stores import store_files  # noqa: E402
 
 # --- Seeds -------------------------------------------------------------------------------------
 
@@ -169,23 +171,8 @@ def write(model, data, path, **kw):
   return teacher.write_cache(model, data, path, **kw)
 
 
-def store_files(path):
-  """{relative path: bytes} of everything but the root metadata (its creation time differs)."""
-  out = {}
-  for root, _, names in os.walk(path):
-    for name in names:
-      full = os.path.join(root, name)
-      rel = os.path.relpath(full, path)
-      if rel != "zarr.json":
-        with open(full, "rb") as f:
-          out[rel] = f.read()
-  return out
-
-
 def TinyTeacher():
-  """A two-matrix stand-in following the model contract, with fixed weights: a process starts in
-  seconds, and the cache logic does not depend on the model (test_teacher.py tests the real one)."""
-  from experiments.cache_faults import StandIn
+  """kdjax.models.stand_in's two-matrix teacher at this module's sizes."""
   return StandIn(TEACHER_V, TEACHER_D)
 
 

@@ -54,6 +54,6 @@ def test_grad_step_over_mesh_shapes_matches_one_gpu():
   n = jax.device_count()
   if n < 2:
     pytest.skip("needs two or more GPUs")
-  from tests.test_parallel import grad_step_differences
+  from tests.fixtures.mesh_steps import grad_step_differences
   for shape, diffs in grad_step_differences([(n, 1, 1), (1, n, 1), (1, 1, n)]).items():
     assert diffs["grads"] < 1e-4 and diffs["metrics"] < 1e-5, (shape, diffs)

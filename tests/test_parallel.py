@@ -25,61 +25,16 @@ if __name__ == "__main__":
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from kdjax import cache, config, parallel, teacher, train  # noqa: E402
-from experiments.cache_faults import files as store_files  # noqa: E402
 from kdjax.models import llama  # noqa: E402
+from tests.fixtures.mesh_steps import CFG, grad_step_differences, mesh_of, random_rows  # noqa: E402
+from tests.fixtures.stores import store_files  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CFG = llama.ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                        head_dim=8, d_ff=64)
-SHAPES = [(2, 4, 1), (1, 2, 4)]  # (data, fsdp, tensor); the fit runs 2 x 2 x 2, two processes 1 x 2
-
-
-def mesh_of(data, fsdp, tensor=1):
-  return parallel.make_mesh(ml_collections.ConfigDict(dict(data=data, fsdp=fsdp, tensor=tensor)))
-
-
-def random_rows(rng, n, t=16, k=5):
-  return {"tokens": rng.integers(0, CFG.vocab_size, (n, t)).astype(np.int32),
-          "positions": np.tile(np.arange(t, dtype=np.int32), (n, 1)),
-          "segment_ids": np.ones((n, t), np.int32), "loss_mask": rng.random((n, t)) < 0.7,
-          "topk_ids": rng.integers(0, CFG.vocab_size, (n, t, k)).astype(np.int32),
-          "topk_logprobs": -np.sort(rng.exponential(2.0, (n, t, k)), -1).astype(np.float32)}
-
-
-def grad_step_differences(shapes=SHAPES) -> dict:
-  """Largest difference from one device's loss, metrics and gradients, per mesh shape."""
-  graphdef, params = nnx.split(llama.Transformer(CFG, rngs=nnx.Rngs(0)))
-  loss = train.LossSettings.from_config(config.base().loss, False)
-  batch_AxB = train.to_step_batch(random_rows(np.random.default_rng(0), 8), 1, False)
-
-  def run(mesh):
-    trained = {"params": params}
-    grads_sum = jax.tree.map(jnp.zeros_like, trained)
-    batch = batch_AxB
-    if mesh is not None:
-      trained, grads_sum = parallel.place_state(mesh, (trained, grads_sum))
-      batch = parallel.place_batch(mesh, batch_AxB)
-    grads, metrics = train.grad_step(trained, grads_sum, {k: v[0] for k, v in batch.items()},
-                                     graphdef=graphdef, loss=loss, max_documents=1, mesh=mesh)
-    return jax.device_get((grads, metrics))
-
-  want = run(None)
-  out = {}
-  for shape in shapes:
-    got = run(mesh_of(*shape))
-    out["x".join(map(str, shape))] = {
-        "grads": max(float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
-                     for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0]))),
-        "metrics": max(abs(float(got[1][k]) - float(want[1][k])) for k in want[1])}
-  return out
-
-
 VOCAB_CASES = [  # impl, dtype, vocabulary (4 shards; 300: 75 each, not a multiple of a tile), loss
     ("xla", "float32", 512, dict(objective="tail")),
     ("xla", "float32", 300, dict(objective="renorm", ce_weight=0.3)),

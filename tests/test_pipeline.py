@@ -60,8 +60,10 @@ def test_cache_with_fewer_entries_than_k_is_refused(demo_run):
   workdir, _ = demo_run  # its cache holds k = 16 (a smaller k reads its first entries)
   out = run_main("demo.py:smoke", workdir, "--config.stages=('train',)", "--config.cache.k=32",
                  "--config.workdir=" + str(workdir), check=False)
-  assert out.returncode != 0
-  assert "set cache.k to at most 16" in out.stderr.splitlines()[-1]
+  assert out.returncode == 1 and "Traceback" not in out.stderr  # a user error: one line
+  last = out.stderr.splitlines()[-1]
+  assert last.startswith(f"kdjax: {workdir}/cache/train.zarr")
+  assert "k=32 is asked for: set cache.k to at most 16" in last
 
 
 def test_long_context_smoke_config_runs(tmp_path):

@@ -1,5 +1,4 @@
 """Training: the loss falls, a crash resumes to the same parameters, bad workdirs and NaN fail loudly."""
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -280,7 +279,17 @@ def test_to_step_batch_shapes_and_one_hot_teacher():
   assert batch["topk_ids"].shape == (2, 2, T, 1)
   np.testing.assert_array_equal(batch["topk_ids"][..., 0], batch["labels"])
   np.testing.assert_array_equal(batch["labels"][0, 0, :-1], rows["tokens"][0, 1:])
-  assert dataclasses.is_dataclass(train.LossSettings.from_config(config.base().loss, True))
+  g = config.base().loss
+  g.update(objective="tail", temperature=2.0, ce_weight=0.5, hidden_weight=1.0, chunk_size=24)
+  own = train.LossSettings.from_config(g, hard_labels=False)
+  assert (own.objective, own.temperature, own.ce_weight, own.hidden_weight) == (
+      "tail", 2.0, 0.5, 1.0)
+  # hard labels: the one-hot teacher's sparse KL at tau 1 is the cross-entropy, nothing mixed in
+  hard = train.LossSettings.from_config(g, hard_labels=True)
+  assert (hard.objective, hard.temperature, hard.ce_weight, hard.hidden_weight) == (
+      "sparse", 1.0, 0.0, 0.0)
+  for field in ("impl", "chunk_size", "dw_dtype", "position_metrics"):  # the run's numerics
+    assert getattr(hard, field) == getattr(own, field) == g[field], field
 
 
 def test_fused_loss_impl_in_the_train_step(rng):

@@ -1,9 +1,10 @@
 """Reference side of the Hugging Face parity tests; runs under transformers + CPU torch.
 
-    .venv-hf/bin/python experiments/hf_reference.py jobs.json
+    .venv-hf/bin/python kdjax/hf_reference.py jobs.json
 
-Runs in the side venv that tests/test_hf.py creates (Python 3.11: the CPU torch build these
-machines carry), never in kdjax's venv. jobs.json:
+Runs in the side venv (kdjax.side_venv; Python 3.11: the CPU torch build these machines carry),
+never in kdjax's venv, and imports nothing from kdjax; tests/fixtures/hf_side.py and
+experiments/smollm2_study.py run it. jobs.json:
 
     {"make":   [{"dir", "model_type", "config": {...}, "seed", "max_shard_size" (or null),
                  "tokenizer_vocab" (or null)}],
@@ -22,11 +23,17 @@ rewrites an MXFP4 gpt-oss checkpoint (a single model.safetensors) with float exp
 transformers' own MXFP4 converter.
 """
 import json
+import os
 import sys
 
-import numpy as np
-import torch
-import transformers
+# Run as a script, this file's folder (kdjax/) heads sys.path, and its modules (tensorboard.py,
+# config.py, data/, models/, ...) would shadow installed packages of the same names.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
 
 
 def make(job: dict) -> None:
