@@ -101,14 +101,3 @@ def test_stages_must_be_known_and_ordered():
   c.stages = ("data", "distil")
   with pytest.raises(ValueError, match="unknown stages"):
     config.validate(c)
-
-
-def test_main_reports_bad_value_before_any_work(tmp_path):
-  out = subprocess.run(
-      [sys.executable, "-m", "kdjax.main", f"--config={ROOT}/configs/demo.py",
-       f"--config.workdir={tmp_path}/w", "--config.loss.temperature=-1"],
-      capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert out.returncode != 0
-  assert "loss.temperature must be > 0, got -1" in out.stderr
-  assert "Traceback" not in out.stderr
-  assert not os.path.exists(tmp_path / "w" / "data")

@@ -1,12 +1,17 @@
 """The command line: a user error is one message and exit 1 (its traceback only with --debug or
-KDJAX_DEBUG=1), Ctrl-C exits 130, and a bug keeps its traceback."""
+KDJAX_DEBUG=1), Ctrl-C exits 130, and a bug keeps its traceback.
+
+One test runs `python -m kdjax.main` itself; the others call the same parsing and `main.main` in
+this process, with `pipeline.run` replaced where they need a run to raise something: what the
+interpreter prints follows from what escapes main (a SystemExit's message, or the exception)."""
 import os
 import subprocess
 import sys
 
 import pytest
+from absl import flags
 
-from kdjax import config, errors
+from kdjax import config, errors, main, pipeline
 from kdjax.cache.errors import CacheError
 from kdjax.data import packing
 from kdjax.data.chat import ChatTemplateError
@@ -15,29 +20,36 @@ from kdjax.models.hf import CheckpointError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = f"--config={ROOT}/configs/demo.py"
-# main.main with pipeline.run replaced by `body`, to reach the handling of what a run raises.
-PATCHED = """
-from absl import app
-from kdjax import main, pipeline
-def run(c):
-  {body}
-pipeline.run = run
-app.run(main.main, flags_parser=main.parse_flags)
-"""
 
 
-def run(*args, body=None, debug_env=False):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  env.pop("KDJAX_DEBUG", None)
-  if debug_env:
-    env["KDJAX_DEBUG"] = "1"
-  entry = ["-m", "kdjax.main"] if body is None else ["-c", PATCHED.format(body=body)]
-  return subprocess.run([sys.executable, *entry, DEMO, *args], capture_output=True, text=True,
-                        cwd=ROOT, env=env)
+@pytest.fixture
+def call_main(monkeypatch):
+  """call_main(*args, raises=None): main's parsing and main.main in this process, as
+  `python -m kdjax.main DEMO ARGS` runs them; with `raises`, the run raises it."""
+  monkeypatch.delenv("KDJAX_DEBUG", raising=False)
+
+  def call(*args, raises=None):
+    if raises is not None:
+      def run(c):
+        raise raises
+      monkeypatch.setattr(pipeline, "run", run)
+    argv = ["kdjax", DEMO, *args]
+    monkeypatch.setattr(sys, "argv", argv)  # ml_collections reads the overrides from sys.argv
+    try:
+      main.main(main.parse_flags(argv))
+    finally:  # as a fresh process would find them: unparsed, no override flags defined
+      flags.FLAGS.unparse_flags()
+      for name in [name for name in flags.FLAGS if name.startswith("config.")]:
+        delattr(flags.FLAGS, name)
+
+  return call
 
 
 def test_user_error_is_one_message_without_traceback(tmp_path):
-  out = run(f"--config.workdir={tmp_path}/w", f"--config.data.source={tmp_path}/none.jsonl")
+  out = subprocess.run(
+      [sys.executable, "-m", "kdjax.main", DEMO, f"--config.workdir={tmp_path}/w",
+       f"--config.data.source={tmp_path}/none.jsonl"],
+      capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert out.returncode == 1
   assert out.stderr.strip().splitlines()[-1] == (
       f"kdjax: {tmp_path}/none.jsonl: no such file (data.source takes 'stdlib' or .jsonl/.parquet)")
@@ -45,34 +57,42 @@ def test_user_error_is_one_message_without_traceback(tmp_path):
   assert not os.path.exists(tmp_path / "w")
 
 
+def test_bad_value_is_reported_before_any_work(call_main, tmp_path):
+  with pytest.raises(SystemExit) as exit_:
+    call_main(f"--config.workdir={tmp_path}/w", "--config.loss.temperature=-1")
+  assert exit_.value.code == "kdjax: config: loss.temperature must be > 0, got -1.0"
+  assert not os.path.exists(tmp_path / "w")
+
+
 @pytest.mark.parametrize("switch", ["flag", "env"])
-def test_debug_switch_shows_the_traceback(tmp_path, switch):
-  args = [f"--config.data.source={tmp_path}/none.jsonl"] + (["--debug"] if switch == "flag" else [])
-  out = run(f"--config.workdir={tmp_path}/w", *args, debug_env=switch == "env")
-  assert out.returncode == 1
-  assert "Traceback" in out.stderr and "DataError: " in out.stderr
+def test_debug_switch_shows_the_traceback(call_main, monkeypatch, tmp_path, switch):
+  if switch == "env":
+    monkeypatch.setenv("KDJAX_DEBUG", "1")
+  args = ["--debug"] if switch == "flag" else []
+  with pytest.raises(DataError, match="no such file"):  # escapes main: the interpreter prints it
+    call_main(f"--config.workdir={tmp_path}/w", f"--config.data.source={tmp_path}/none.jsonl",
+              *args)
 
 
-def test_unknown_config_field_is_one_line():
-  out = run("--config.opt.learning_rate=1e-3")
-  assert out.returncode == 1
-  assert out.stderr.strip() == (
+def test_unknown_config_field_is_one_line(call_main):
+  with pytest.raises(SystemExit) as exit_:
+    call_main("--config.opt.learning_rate=1e-3")
+  assert exit_.value.code == (
       "kdjax: --config.opt.learning_rate: opt has no field 'learning_rate'; nearest: opt.lr")
 
 
-def test_interrupt_exits_130_quietly():
-  out = run(body="raise KeyboardInterrupt")
-  assert out.returncode == 130
-  assert "Traceback" not in out.stderr
+def test_interrupt_exits_130_quietly(call_main):
+  with pytest.raises(SystemExit) as exit_:
+    call_main(raises=KeyboardInterrupt())
+  assert exit_.value.code == 130
 
 
-def test_bug_keeps_its_traceback():
+def test_bug_keeps_its_traceback(call_main):
   """A ValueError that kdjax itself raises for a broken internal contract is a bug, not bad input:
-  its traceback shows where."""
-  out = run(body="from kdjax.data import packing; packing.Packer(1, bos_id=None, eos_id=None)")
-  assert out.returncode == 1
-  assert "Traceback" in out.stderr and "ValueError: seq_len must be >= 2, got 1" in out.stderr
-  assert "packing.py" in out.stderr
+  it escapes main, so the interpreter prints its traceback."""
+  with pytest.raises(ValueError, match="seq_len must be >= 2, got 1") as info:
+    call_main(raises=raised(lambda: packing.Packer(1, bos_id=None, eos_id=None)))
+  assert type(info.value) is ValueError
 
 
 def raised(fn):
