@@ -101,6 +101,7 @@ def test_pipeline_bench_smoke(tmp_path):
   assert result["eval"]["student"]["positions"] > 0
 
 
+@pytest.mark.slow  # a minute and more on 2 cores: the kernels' own checks are test_grouped's
 def test_moe_matmul_bench_small(tmp_path):
   """The grouped-matmul benchmark on one small shape: a JSON line with every timing, the
   kernels' results (here the reference's: no GPU) equal to ragged_dot's."""
