@@ -177,6 +177,10 @@ def run_student(args) -> dict:
   mesh = mesh_of(c)
   if mesh is not None:  # as train.fit places them
     state, grads_sum = parallel.place_state(mesh, (state, grads_sum))
+  t0 = time.perf_counter()
+  graphdef, model_cfg = train.resolve_remat(graphdef, model_cfg, state, grads_sum, store, c.opt,
+                                            loss, False, None, mesh)
+  print(f"remat {model_cfg.remat} (chosen in {time.perf_counter() - t0:.1f} s)", flush=True)
   loader = cache.Loader(store, rows, seed=0)
   plan = {}
   if mesh is None and (args.memory or not args.steps):
@@ -231,7 +235,8 @@ def run_student(args) -> dict:
           "optimizer_state": f"{c.opt.state_dtype}/{c.opt.state_memory}",
           "accum_dtype": c.opt.accum_dtype,
           "batch_wait_frac": float(np.sum(waits[1:]) / np.sum(times[1:])),
-          "first_step_s": times[0], "remat": c.student.remat,
+          "first_step_s": times[0], "remat": model_cfg.remat,
+          "remat_config": c.student.remat,
           **({"plan_gib": plan} if plan else {}), **({"profile": profile} if profile else {})}
 
 
