@@ -68,6 +68,8 @@ SWEEP = {
                    "--set opt.batch_size=2 --set opt.accum_steps=16 --mem-fraction 0.92",
     "8k-accum1": "student --config configs/8k.py --docs 4 --accum 1 --steps 6",
     "32k": "student --config configs/32k.py --docs 8 --steps 2",
+    "32k-dots": "student --config configs/32k.py --docs 8 --steps 2 --memory --set student.remat=dots "
+                "--mem-fraction 0.92",
     "32k-accum4": "student --config configs/32k.py --docs 8 --accum 4",
     "32k-1doc": "student --config configs/32k.py --docs 1 --accum 4",
     # JAX's allocator takes at most 75% of the GPU (~98 GiB on an H200) unless told otherwise;
