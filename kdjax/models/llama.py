@@ -118,9 +118,6 @@ class ModelConfig:
     moe.validate(self, where)
     if self.sliding_window < 0:
       raise ValueError(f"{where}sliding_window must be >= 0 (0: none), got {self.sliding_window}.")
-    if self.attention_impl == "cudnn" and (self.attention_sinks or self.sliding_window):
-      raise ValueError(f"{where}attention_impl 'cudnn' has no attention sinks or sliding windows; "
-                       "use 'einsum' or 'auto' for this model.")
     if self.real_vocab_size is not None and not 0 < self.real_vocab_size <= self.vocab_size:
       raise ValueError(f"real_vocab_size ({self.real_vocab_size}) must be in "
                        f"[1, vocab_size={self.vocab_size}].")
