@@ -12,7 +12,8 @@ need, with no container. Three tables:
 
 1. Log-prob quantisers: packed's levels n = round((log(1 + p0) - log(p + p0)) / s) for several
    (s, p0), plain or with error diffusion (each entry's rounding error in p carried into the next
-   rank, so a position's mass is kept): B/pos of their gaps in rank order, the entropy of those
+   rank, so most of a position's mass is kept: not the carry that would lift an entry above the
+   one before it): B/pos of their gaps in rank order, the entropy of those
    gaps given the rank, the entropy of the order that ties leave undetermined (log2(K!/prod m!),
    m the sizes of runs of equal levels: what ids stored as a set would still have to say about
    the ranks), and the loss and gradient errors against float32 (cache_compact's measure).
@@ -72,7 +73,8 @@ def levels(lp, s, p0, diffuse):
     return n, table[n], last
   n = np.empty(p.shape, np.int64)
   carry, previous = np.zeros(p.shape[:-1]), np.zeros(p.shape[:-1], np.int64)
-  for i in range(p.shape[-1]):  # sequential along the ranks; gaps stay >= 0
+  for i in range(p.shape[-1]):  # sequential along the ranks; gaps stay >= 0, so a carry that
+    # would lift an entry above the one before it stays in the carry
     target = p[..., i] + carry
     n[..., i] = previous = np.maximum(level(target), previous)
     carry = target - table[previous]
