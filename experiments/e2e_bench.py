@@ -32,6 +32,7 @@ import datetime
 import functools
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -428,6 +429,7 @@ def main():
   args = parser.parse_args()
   if args.mode in ("sweep", "plot"):
     return sweep(args) if args.mode == "sweep" else plot(args)
+  logging.basicConfig(level=logging.INFO, format="%(message)s")  # kdjax's lines (remat auto)
   if args.mem_fraction:  # read when JAX first touches the GPU, below
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
   result = run_student(args) if args.mode == "student" else run_teacher(args)
