@@ -154,6 +154,18 @@ def synthetic(rows, seq_len, k, vocab, *, zipf=1.05, overlap=0.4, seed=0):
           "positions": np.tile(np.arange(seq_len, dtype=np.int32), (rows, 1))}, vocab
 
 
+def read_rows(path, num_rows, allow_partial=False):
+  """(rows, vocab, description) of the first num_rows rows of a cache (of its finished regions,
+  with allow_partial)."""
+  store = cache.open(path, allow_partial=allow_partial)
+  done = np.arange(store.num_seqs)
+  if allow_partial:
+    done = np.array([row for r in sorted(store.complete_regions())
+                     for row in range(*store.region_bounds(r))], np.int64)
+  return (store.read(done[:num_rows]), store.vocab_size,
+          f"{path} ({store.attrs.get('teacher', '?')})")
+
+
 def id_codings(ids, vocab, out, region_rows):
   """Bytes per position of other codings of the ids (not layouts: ideas measured), and bounds."""
   rows, seq_len, k = ids.shape
@@ -214,14 +226,7 @@ def main():
   args = parser.parse_args()
 
   if args.cache:
-    store = cache.open(args.cache, allow_partial=args.allow_partial)
-    done = np.arange(store.num_seqs)
-    if args.allow_partial:
-      done = np.array([row for r in sorted(store.complete_regions())
-                       for row in range(*store.region_bounds(r))], np.int64)
-    rows = store.read(done[:args.rows])
-    vocab = store.vocab_size
-    source = f"{args.cache} ({store.attrs.get('teacher', '?')})"
+    rows, vocab, source = read_rows(args.cache, args.rows, args.allow_partial)
   else:
     rows, vocab = synthetic(args.rows, args.seq_len, 100, args.synthetic_vocab,
                             overlap=args.overlap)

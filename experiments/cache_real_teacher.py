@@ -32,7 +32,7 @@ def main():
   train, held_out = os.path.join(args.out, "data_train"), os.path.join(args.out, "data_eval")
   stage.build_stores("stdlib", tok, args.seq_len, train, held_out, eval_every=1_000_000,
                      max_bytes=args.max_bytes)
-  model, _ = hf.load(args.hf, dtype="float32", remat=False,
+  model, _ = hf.load(args.hf, dtype="float32", remat="none",
                      tokenizer_vocab=tokenizer.real_vocab_size(tok))
   data = cache.open(train)
   start = time.perf_counter()

@@ -32,6 +32,7 @@ import datetime
 import functools
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -55,8 +56,21 @@ SWEEP = {
     "8k-1doc": "student --config configs/8k.py --docs 1",
     "8k-bf16state": "student --config configs/8k.py --docs 4 --set opt.state_dtype=bfloat16",
     "8k-host": "student --config configs/8k.py --docs 4 --set opt.state_memory=host",
+    # What each block keeps for its backward pass (kdjax/models/remat.py); "8k" is the config's.
+    "8k-none": "student --config configs/8k.py --docs 4 --memory --set student.remat=none",
+    "8k-names": "student --config configs/8k.py --docs 4 --memory --set student.remat=names",
+    "8k-dots": "student --config configs/8k.py --docs 4 --memory --set student.remat=dots",
+    "8k-offload": "student --config configs/8k.py --docs 4 --memory --set student.remat=offload",
+    "8k-full": "student --config configs/8k.py --docs 4 --memory --set student.remat=full",
+    # Two rows per micro-batch (16 of them per step), the same 32 x 8K tokens.
+    "8k-none-b2": "student --config configs/8k.py --docs 4 --memory --set student.remat=none "
+                  "--set opt.batch_size=2 --set opt.accum_steps=16 --mem-fraction 0.92",
+    "8k-names-b2": "student --config configs/8k.py --docs 4 --memory --set student.remat=names "
+                   "--set opt.batch_size=2 --set opt.accum_steps=16 --mem-fraction 0.92",
     "8k-accum1": "student --config configs/8k.py --docs 4 --accum 1 --steps 6",
     "32k": "student --config configs/32k.py --docs 8 --steps 2",
+    "32k-dots": "student --config configs/32k.py --docs 8 --steps 2 --memory --set student.remat=dots "
+                "--mem-fraction 0.92",
     "32k-accum4": "student --config configs/32k.py --docs 8 --accum 4",
     "32k-1doc": "student --config configs/32k.py --docs 1 --accum 4",
     # JAX's allocator takes at most 75% of the GPU (~98 GiB on an H200) unless told otherwise;
@@ -166,6 +180,10 @@ def run_student(args) -> dict:
   mesh = mesh_of(c)
   if mesh is not None:  # as train.fit places them
     state, grads_sum = parallel.place_state(mesh, (state, grads_sum))
+  t0 = time.perf_counter()
+  graphdef, model_cfg = train.resolve_remat(graphdef, model_cfg, state, grads_sum, store, c.opt,
+                                            loss, False, None, mesh)
+  print(f"remat {model_cfg.remat} (chosen in {time.perf_counter() - t0:.1f} s)", flush=True)
   loader = cache.Loader(store, rows, seed=0)
   plan = {}
   if mesh is None and (args.memory or not args.steps):
@@ -175,7 +193,9 @@ def run_student(args) -> dict:
     return {"kind": "plan", "seq_len": seq_len, "accum_steps": accum, "docs_per_row": args.docs,
             "optimizer_state": f"{c.opt.state_dtype}/{c.opt.state_memory}", "plan_gib": plan}
   times, waits, context = [], [], []
-  for step in range(args.steps):
+
+  def one_step():
+    nonlocal state, grads_sum
     t0 = time.perf_counter()
     batch = train.to_step_batch(next(loader), accum, hard_labels=False)
     t1 = time.perf_counter()
@@ -189,8 +209,21 @@ def run_student(args) -> dict:
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - t0)
     waits.append(t1 - t0)
+    return metrics
+
+  for step in range(args.steps):
+    metrics = one_step()
     print(f"step {step}: {times[-1]:.2f} s (batch wait {waits[-1]:.3f} s) "
           f"loss {float(metrics['loss']):.3f} peak {peak_gib():.1f} GiB", flush=True)
+  profile = {}
+  if args.profile:  # one more step, traced (not among the timed ones)
+    import profile_summary
+    shutil.rmtree(args.profile, ignore_errors=True)
+    with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+      one_step()
+    times.pop(), waits.pop(), context.pop()
+    profile = profile_summary.summarize(args.profile)
+    profile_summary.print_summary(profile)
   loader.close()
   step_s = float(np.median(times[1:]))
   tokens = rows * seq_len
@@ -205,7 +238,9 @@ def run_student(args) -> dict:
           "optimizer_state": f"{c.opt.state_dtype}/{c.opt.state_memory}",
           "accum_dtype": c.opt.accum_dtype,
           "batch_wait_frac": float(np.sum(waits[1:]) / np.sum(times[1:])),
-          "first_step_s": times[0], **({"plan_gib": plan} if plan else {})}
+          "first_step_s": times[0], "remat": model_cfg.remat,
+          "remat_config": c.student.remat,
+          **({"plan_gib": plan} if plan else {}), **({"profile": profile} if profile else {})}
 
 
 def print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, opt):
@@ -388,9 +423,13 @@ def main():
                    help="XLA_PYTHON_CLIENT_MEM_FRACTION (0: JAX's default, 0.75)")
     p.add_argument("--name", default="")
     p.add_argument("--dir", default="/tmp/kdjax_e2e")
+    p.add_argument("--profile", default="",
+                   help="student: trace one more step into this directory and summarise it "
+                        "(experiments/profile_summary.py)")
   args = parser.parse_args()
   if args.mode in ("sweep", "plot"):
     return sweep(args) if args.mode == "sweep" else plot(args)
+  logging.basicConfig(level=logging.INFO, format="%(message)s")  # kdjax's lines (remat auto)
   if args.mem_fraction:  # read when JAX first touches the GPU, below
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
   result = run_student(args) if args.mode == "student" else run_teacher(args)

@@ -126,7 +126,7 @@ def main():
 
       def edit(c, objective=objective, init=init):
         configs[c.workdir] = c
-        c.student.update(hf_path=init, remat=False)
+        c.student.update(hf_path=init, remat="none")
         c.loss.update(impl="xla", objective=objective)
         c.opt.update(lr=args.lr, steps=args.steps, warmup_steps=max(1, args.steps // 10),
                      ckpt_every=args.steps)

@@ -58,6 +58,9 @@ def opt_group(**overrides) -> ml_collections.ConfigDict:
   g.accum_dtype = "float32"
   g.state_dtype = "float32"
   g.state_memory = "device"
+  # Device memory the step may plan for, GiB: the model group's remat "auto" picks the fastest
+  # policy that fits it (kdjax/remat_auto.py). 0: what JAX may allocate on the device.
+  g.memory_gib = 0.0
   g.log_every = 10  # steps between console / metrics.jsonl lines
   # Dense bf16 peak of the GPU in TFLOP/s, for the logged MFU (0: known GPUs from a table in
   # kdjax/train.py; on others MFU is not logged)
@@ -189,6 +192,8 @@ def _check_opt(name: str, g):
            f"{name}.loader_workers must be >= 0 (0: min(4, cores)), got {g.loader_workers}")
   _require(g.peak_tflops >= 0, f"{name}.peak_tflops must be >= 0 (0: from the GPU's name), got "
            f"{g.peak_tflops}")
+  _require(g.memory_gib >= 0, f"{name}.memory_gib must be >= 0 (0: the device's), got "
+           f"{g.memory_gib}")
   _require(g.lr > 0, f"{name}.lr must be > 0, got {g.lr}")
   _require(0 <= g.min_lr_ratio <= 1, f"{name}.min_lr_ratio must be in [0, 1], got {g.min_lr_ratio}")
   _require(0 <= g.warmup_steps < g.steps,

@@ -23,6 +23,9 @@ def llama_3b_student(c):
   c.student.update(vocab_size=0, d_model=3072, n_layers=28, n_heads=24, n_kv_heads=8,
                    head_dim=128, d_ff=8192, rope_theta=500000.0, tie_embeddings=True,
                    dtype="bfloat16", param_dtype="float32")
+  # The fastest rematerialisation that fits the GPU (kdjax/remat_auto.py); student.remat="full"
+  # is the smallest setting (8K: 47.7 GiB, 12.7 s per step; BENCHMARKS.md).
+  c.student.remat = "auto"
 
 
 def long_context(seq_len: int, workdir: str, variant: str):

@@ -32,7 +32,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
-from kdjax import cache, kernels, parallel, peers, tensorboard
+from kdjax import cache, kernels, parallel, peers, remat_auto, tensorboard
 from kdjax.cache import durable, failpoints
 from kdjax.kernels import full_kl, hidden
 from kdjax.checkpoints import Checkpoints
@@ -344,6 +344,24 @@ def _hidden_projection(loss: LossSettings, model_cfg: llama.ModelConfig, store, 
       model_cfg.d_model)
 
 
+def resolve_remat(graphdef, model_cfg, state, grads_sum, store, opt, loss, hard_labels, teacher,
+                   mesh):
+  """remat "auto" made a policy (kdjax/remat_auto.py), planned on the store's first micro-batch."""
+  if model_cfg.remat != "auto":
+    return graphdef, model_cfg
+  micro = {k: v[0] for k, v in to_step_batch(
+      store.read(np.arange(min(opt.batch_size, store.num_seqs))), 1, hard_labels).items()}
+  kw = dict(loss=loss, max_documents=attention.documents_bound(micro["segment_ids"]), mesh=mesh)
+  if teacher is not None:
+    teacher_graphdef, teacher_params = nnx.split(teacher)
+    kw["teacher_graphdef"] = teacher_graphdef
+  if mesh is not None:
+    micro = parallel.place_batch(mesh, micro)
+  lower = lambda g: grad_step.lower(trained(state), grads_sum, micro,
+                                    None if teacher is None else teacher_params, graphdef=g, **kw)
+  return remat_auto.choose(graphdef, model_cfg, (state, grads_sum, micro), lower, opt.memory_gib)
+
+
 def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, workdir: str,
         opt, loss_cfg, hard_labels: bool, seed: int, teacher: nnx.Module | None = None,
         mesh: Mesh | None = None) -> nnx.Module:
@@ -368,6 +386,8 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
     state, grads_sum = parallel.place_state(mesh, (state, grads_sum))
   else:
     mesh = None
+  graphdef, model_cfg = resolve_remat(graphdef, model_cfg, state, grads_sum, store, opt, loss,
+                                       hard_labels, teacher, mesh)
   loader = cache.Loader(store, opt.batch_size * opt.accum_steps, seed=seed, shuffle=True,
                         prefetch=opt.loader_prefetch, workers=opt.loader_workers or None,
                         hidden=loss.hidden_weight > 0)

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from kdjax import config
-from kdjax.models import attention, llama, rope
+from kdjax.models import attention, llama, remat, rope
 from kdjax.models.llama import ModelConfig, Transformer
 
 B, T = 2, 12
@@ -310,14 +310,30 @@ def test_padding_changes_nothing_and_stays_finite():
   assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
 
 
-def test_remat_changes_nothing():
-  args = inputs()
-  grads = {}
-  for remat in (True, False):
-    model = Transformer(make_cfg(qk_norm=True, remat=remat), rngs=nnx.Rngs(0))
-    grads[remat] = nnx.jit(nnx.grad(lambda m: jnp.sum(m(*args) ** 2)))(model)
-  for a, b in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False])):
+@pytest.mark.parametrize("policy", [p for p in remat.POLICIES if p != "none"])
+@pytest.mark.parametrize("family", ["dense", pytest.param("moe_sinks", marks=pytest.mark.slow)])
+def test_every_remat_policy_gives_the_loss_and_gradients_of_none(policy, family):
+  extra = dict(qk_norm=True) if family == "dense" else dict(
+      n_experts=4, experts_per_token=2, attention_sinks=True, sliding_window=5,
+      attention_bias=True, expert_bias=True)
+  tokens, positions, _ = inputs(seed=3)
+  segment_ids = jnp.asarray(np.repeat([[1] * 5 + [2] * 4 + [0] * 3], B, 0), jnp.int32)
+  loss = lambda m: jnp.sum(jnp.sin(m(tokens, positions, segment_ids)))
+  values, grads = {}, {}
+  for p in ("none", policy):
+    model = Transformer(make_cfg(remat=p, **extra), rngs=nnx.Rngs(0))
+    values[p], grads[p] = nnx.jit(nnx.value_and_grad(loss))(model)
+  np.testing.assert_allclose(float(values[policy]), float(values["none"]), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads[policy]), jax.tree.leaves(grads["none"])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_remat_reads_the_old_switch_and_refuses_unknown_policies():
+  assert make_cfg(remat=True).remat == "full" and make_cfg(remat=False).remat == "none"
+  with pytest.raises(ValueError, match="remat must be one of"):
+    make_cfg(remat="some").validate()
+  with pytest.raises(ValueError, match="must be resolved"):
+    remat.wrap(lambda block: block, "auto")
 
 
 def test_jit_equals_eager():
@@ -380,12 +396,12 @@ def test_from_config_and_validation():
   group = config.model_group(
       vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
       rope_theta=5e5, norm_eps=1e-5, tie_embeddings=True, qk_norm=False, dtype="bfloat16",
-      param_dtype="float32", remat=False, attention_impl="einsum")
+      param_dtype="float32", remat="none", attention_impl="einsum")
   group.rope_scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                             original_max_position_embeddings=8192)
   cfg = ModelConfig.from_config(group)
   assert cfg.d_model == 32 and cfg.rope_scaling["factor"] == 8.0 and cfg.dtype == "bfloat16"
-  assert not cfg.remat and cfg.attention_impl == "einsum"
+  assert cfg.remat == "none" and cfg.attention_impl == "einsum"
   group.rope_scaling = ml_collections.ConfigDict()  # empty group: no scaling
   assert ModelConfig.from_config(group).rope_scaling is None
   with pytest.raises(ValueError, match="multiple of n_kv_heads"):

@@ -13,7 +13,7 @@ from flax import nnx
 from kdjax.models import llama, prune
 
 CFG = llama.ModelConfig(vocab_size=64, d_model=16, n_layers=4, n_heads=4, n_kv_heads=2,
-                        head_dim=8, d_ff=24, remat=False)
+                        head_dim=8, d_ff=24, remat="none")
 
 
 def rows(seed=0, b=4, t=16):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdjax import cache, checkpoints, config, train
+from kdjax import cache, checkpoints, config, remat_auto, train
 from kdjax.data.packing import next_token_labels
 from kdjax.plots import read_metrics
 from kdjax.models import llama
@@ -467,3 +467,32 @@ def test_online_objective_runs_the_teacher_in_the_step(tmp_path, rng):
             loss_cfg=loss_cfg, hard_labels=False, seed=0, teacher=teacher)
   rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
   assert rows[-1]["kl"] < rows[0]["kl"]
+
+
+@pytest.mark.slow  # five compilations and a fit
+def test_remat_auto_takes_the_fastest_policy_that_fits(tmp_path, rng):
+  """remat "auto" plans each policy with XLA (fastest first) and takes the first within the
+  budget's margin; fit trains with it; a budget nothing fits is one clear error."""
+  store = make_cache(tmp_path / "c.zarr", rng)
+  cfg = tiny_model_cfg(remat="auto", n_layers=2)
+  tx, _ = train.make_optimizer(opt_group())
+  loss = train.LossSettings.from_config(config.base().loss, hard_labels=False)
+  graphdef, params = nnx.split(llama.Transformer(cfg, rngs=nnx.Rngs(0)))
+  state, grads_sum = train.init_state(params, tx, opt_group())
+
+  def plan(memory_gib):
+    return train.resolve_remat(graphdef, cfg, state, grads_sum, store,
+                               opt_group(memory_gib=memory_gib), loss, False, None, None)[1].remat
+
+  assert plan(1000.0) == "none"
+  needs = {}  # what choose planned for each policy, read back from its error
+  with pytest.raises(ValueError, match="no remat policy fits") as e:
+    plan(1e-9)
+  for item in str(e.value).split("GiB: ")[1].rstrip(");").split(")")[0].split(", "):
+    policy, gib = item.split()
+    needs[policy] = float(gib)
+  assert set(needs) == {"none", "dots", "names", "full"} and needs["full"] < needs["none"]
+  between = (needs["full"] + min(needs[p] for p in ("none", "dots", "names"))) / 2
+  assert plan(between / remat_auto.MARGIN) == "full"
+  model = fit(tmp_path, store, cfg=cfg, opt=opt_group(steps=2, memory_gib=between / remat_auto.MARGIN))
+  assert model.cfg.remat == "full"

@@ -73,7 +73,7 @@ def real_vocab_size(path: str) -> int | None:
   return tokenizer.load(path).vocab_size
 
 
-def _config_and_kind(path: str, dtype: str, param_dtype: str | None, remat: bool,
+def _config_and_kind(path: str, dtype: str, param_dtype: str | None, remat: str,
                      tokenizer_vocab: int | None) -> tuple[ModelConfig, str]:
   _check_dir(path)
   hf = _read_json(os.path.join(path, "config.json"))
@@ -103,7 +103,7 @@ def _config_and_kind(path: str, dtype: str, param_dtype: str | None, remat: bool
 
 
 def config_from_hf(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
-                   remat: bool = True, tokenizer_vocab: int | None = None) -> ModelConfig:
+                   remat: str = "full", tokenizer_vocab: int | None = None) -> ModelConfig:
   """ModelConfig from a checkpoint's config.json (+ tokenizer.json for the real vocabulary).
 
   tokenizer_vocab: the run's tokenizer size, when known; it must match the checkpoint's
@@ -142,7 +142,7 @@ def _weight_files(path: str) -> dict[str, str]:
 
 
 def load(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
-         remat: bool = True, tokenizer_vocab: int | None = None,
+         remat: str = "full", tokenizer_vocab: int | None = None,
          place=None) -> tuple[Transformer, ModelConfig]:
   """Loads a Hugging Face checkpoint directory (a family of SUPPORTED) into a Transformer.
 
@@ -153,7 +153,7 @@ def load(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
     dtype: compute dtype, "float32" or "bfloat16".
     param_dtype: parameter dtype; defaults to dtype. Stored tensors are cast to it, except
       MXFP4 experts, which stay packed (uint8).
-    remat: recompute each block in the backward pass (ModelConfig.remat).
+    remat: what each block keeps for its backward pass (ModelConfig.remat).
     tokenizer_vocab: the run's tokenizer size, if known: checked against the checkpoint's
       tokenizer.json, and used as real_vocab_size when the directory has none.
     place: None (each parameter on the default device), or place(path, host array) -> its

@@ -23,6 +23,7 @@ from flax import nnx
 
 from kdjax.models import attention as attention_lib
 from kdjax.models import moe
+from kdjax.models import remat as remat_lib
 from kdjax.models import rope
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -49,7 +50,9 @@ class ModelConfig:
   qk_norm: bool = False       # Qwen3: RMSNorm over E on queries and keys before RoPE
   dtype: str = "float32"      # activation / matmul dtype
   param_dtype: str = "float32"  # parameter storage dtype
-  remat: bool = True          # recompute each block in the backward pass (activations ~ one block)
+  # What each block keeps for its backward pass (kdjax/models/remat.py): "full" (recompute the
+  # block: least memory), "names", "dots", "offload", "none" (keep all: fastest), "auto".
+  remat: str = "full"
   attention_impl: str = "auto"  # "auto" (cuDNN on GPU in bf16, else einsum), "einsum", "cudnn"
   # Mixtures of experts (Qwen3-MoE, gpt-oss): every layer's MLP is n_experts SwiGLU experts of
   # width d_ff, experts_per_token of them per token (kdjax/models/moe.py). 0: dense MLP.
@@ -71,6 +74,7 @@ class ModelConfig:
   def __post_init__(self):
     # FrozenDict (or None) keeps the config hashable: jit caches on the module's static metadata.
     object.__setattr__(self, "rope_scaling", rope.scaling(self.rope_scaling))
+    object.__setattr__(self, "remat", remat_lib.normalize(self.remat))
 
   @classmethod
   def config_fields(cls) -> list[dataclasses.Field]:
@@ -106,15 +110,14 @@ class ModelConfig:
       if getattr(self, name) not in DTYPES:
         raise ValueError(f"{where}{name} must be one of {tuple(DTYPES)}, "
                          f"got {getattr(self, name)!r}.")
+    if self.remat not in remat_lib.CHOICES:
+      raise ValueError(f"{where}remat must be one of {remat_lib.CHOICES}, got {self.remat!r}.")
     if self.attention_impl not in attention_lib.IMPLS:
       raise ValueError(f"{where}attention_impl must be one of {attention_lib.IMPLS}, got "
                        f"{self.attention_impl!r}.")
     moe.validate(self, where)
     if self.sliding_window < 0:
       raise ValueError(f"{where}sliding_window must be >= 0 (0: none), got {self.sliding_window}.")
-    if self.attention_impl == "cudnn" and (self.attention_sinks or self.sliding_window):
-      raise ValueError(f"{where}attention_impl 'cudnn' has no attention sinks or sliding windows; "
-                       "use 'einsum' or 'auto' for this model.")
     if self.real_vocab_size is not None and not 0 < self.real_vocab_size <= self.vocab_size:
       raise ValueError(f"real_vocab_size ({self.real_vocab_size}) must be in "
                        f"[1, vocab_size={self.vocab_size}].")
@@ -201,11 +204,13 @@ class Block(nnx.Module):
       q_BxTxHxE = rms_norm(q_BxTxHxE, self.q_norm_E[...], cfg.norm_eps)
       k_BxTxGxE = rms_norm(k_BxTxGxE, self.k_norm_E[...], cfg.norm_eps)
     rope_scale = rope.attention_factor(cfg)
-    q_BxTxHxE = rope.apply(q_BxTxHxE, positions_BxT, inv_freq, rope_scale)
-    k_BxTxGxE = rope.apply(k_BxTxGxE, positions_BxT, inv_freq, rope_scale)
-    a_BxTxHxE = taps["a_BxTxHxE"] = attention_lib.attention(
+    q_BxTxHxE = remat_lib.name(rope.apply(q_BxTxHxE, positions_BxT, inv_freq, rope_scale), "query")
+    k_BxTxGxE = remat_lib.name(rope.apply(k_BxTxGxE, positions_BxT, inv_freq, rope_scale), "key")
+    v_BxTxGxE = remat_lib.name(v_BxTxGxE, "value")
+    a_BxTxHxE = attention_lib.attention(
         q_BxTxHxE, k_BxTxGxE, v_BxTxGxE, segment_ids_BxT, cfg.attention_impl, max_documents,
         sinks_H=self.sinks_H[...] if cfg.attention_sinks else None, window=self.window)
+    a_BxTxHxE = taps["a_BxTxHxE"] = remat_lib.name(a_BxTxHxE, "attention")
     o_BxTxD = jnp.einsum("bthe,hed->btd", a_BxTxHxE, self.wo_HxExD[...].astype(dt))
     if cfg.attention_bias:
       o_BxTxD = o_BxTxD + self.bo_D[...].astype(dt)[None, None]
@@ -214,14 +219,17 @@ class Block(nnx.Module):
     y_BxTxD = taps["y_mlp_BxTxD"] = rms_norm(x_BxTxD, self.mlp_norm_D[...], cfg.norm_eps)
     if cfg.n_experts:
       return x_BxTxD + self.moe(y_BxTxD)
-    gate_BxTxF = jnp.einsum("btd,df->btf", y_BxTxD, self.w_gate_DxF[...].astype(dt))
-    up_BxTxF = jnp.einsum("btd,df->btf", y_BxTxD, self.w_up_DxF[...].astype(dt))
+    gate_BxTxF = remat_lib.name(
+        jnp.einsum("btd,df->btf", y_BxTxD, self.w_gate_DxF[...].astype(dt)), "mlp_gate")
+    up_BxTxF = remat_lib.name(
+        jnp.einsum("btd,df->btf", y_BxTxD, self.w_up_DxF[...].astype(dt)), "mlp_up")
     h_BxTxF = taps["h_BxTxF"] = jax.nn.silu(gate_BxTxF) * up_BxTxF
     return x_BxTxD + jnp.einsum("btf,fd->btd", h_BxTxF, self.w_down_FxD[...].astype(dt))
 
 
 class Transformer(nnx.Module):
-  """Embedding, n_layers Blocks (rematerialised if cfg.remat), final RMSNorm; lm_head apart."""
+  """Embedding, n_layers Blocks (rematerialised as cfg.remat says), final RMSNorm; lm_head
+  apart."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     cfg.validate()
@@ -246,11 +254,8 @@ class Transformer(nnx.Module):
     dt = DTYPES[cfg.dtype]
     inv_freq = rope.inv_freq(cfg)
     x_BxTxD = jnp.take(self.embed_VxD[...], tokens_BxT, axis=0).astype(dt)
-    run_block = lambda block, x, pos, seg: block(x, pos, seg, inv_freq, max_documents)
-    if cfg.remat:
-      # Only each layer's input is kept for the backward pass, so activation memory is
-      # O(n_layers * B * T * D) plus one layer's working set.
-      run_block = nnx.remat(run_block)
+    run_block = remat_lib.wrap(
+        lambda block, x, pos, seg: block(x, pos, seg, inv_freq, max_documents), cfg.remat)
     for block in self.layers:
       x_BxTxD = run_block(block, x_BxTxD, positions_BxT, segment_ids_BxT)
     return rms_norm(x_BxTxD, self.final_norm_D[...], cfg.norm_eps)

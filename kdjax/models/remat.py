@@ -1,0 +1,65 @@
+"""What each transformer block keeps for its backward pass: the rematerialisation policies.
+
+A block's backward pass needs its forward's activations. Keeping all of them is fastest and
+takes the most memory; recomputing the block from its input takes the least and runs the forward
+twice. Between the two, a policy keeps some (jax.checkpoint_policies):
+
+  "none"     keep everything (no jax.checkpoint).
+  "names"    keep the block's expensive values, tagged in llama.Block with checkpoint_name
+             (SAVED: the attention's query/key/value after RoPE and its output, the MLP's gate
+             and up projections); recompute the cheap ones (norms, RoPE, SiLU, residual adds)
+             and the attention's forward (its cuDNN statistics are not tagged).
+  "dots"     keep the output of every matmul without batch dimensions (the projections) and
+             recompute the rest, attention included.
+  "offload"  as "names", but the kept values wait in pinned host memory, not on the GPU: the
+             copies overlap the compute when the link keeps up.
+  "full"     keep only the block's input; recompute the whole block (activation memory ~ one
+             block's working set, the smallest).
+
+Every policy computes the same loss and gradients (tests/test_models.py); which one is fastest
+and what each costs at the paper's shapes is measured in BENCHMARKS.md ("Rematerialisation").
+"auto" is resolved before training by kdjax.train.choose_remat: the fastest of AUTO_ORDER whose
+compiled step fits the memory budget (opt.memory_gib).
+"""
+import jax
+from jax.ad_checkpoint import checkpoint_name
+from flax import nnx
+
+POLICIES = ("none", "names", "dots", "offload", "full")
+CHOICES = POLICIES + ("auto",)
+# Fastest first, as measured on the H200 (BENCHMARKS.md, "Rematerialisation"); "auto" takes the
+# first that fits. "offload" is left out: slower than "full" there, and larger.
+AUTO_ORDER = ("none", "dots", "names", "full")
+SAVED = ("query", "key", "value", "attention", "mlp_gate", "mlp_up")
+
+
+def name(value_BxTx_: jax.Array, tag: str) -> jax.Array:
+  """Tags a block's activation for the "names" and "offload" policies (one of SAVED)."""
+  assert tag in SAVED, tag
+  return checkpoint_name(value_BxTx_, tag)
+
+
+def normalize(remat) -> str:
+  """A policy name; True and False (the switch's old values) read as "full" and "none"."""
+  if isinstance(remat, bool):
+    return "full" if remat else "none"
+  return remat
+
+
+def wrap(fn, remat: str):
+  """fn (a block's call: module first, then arrays) under the policy; "none" returns fn."""
+  if remat == "none":
+    return fn
+  if remat == "auto":
+    raise ValueError("remat 'auto' must be resolved (kdjax.train.choose_remat) before the model "
+                     "runs; set student.remat to one of " + ", ".join(POLICIES) + ".")
+  policies = jax.checkpoint_policies
+  policy = {
+      "full": policies.nothing_saveable,
+      "names": policies.save_only_these_names(*SAVED),
+      "dots": policies.dots_with_no_batch_dims_saveable,
+      "offload": policies.save_and_offload_only_these_names(
+          names_which_can_be_saved=[], names_which_can_be_offloaded=list(SAVED),
+          offload_src="device", offload_dst="pinned_host"),
+  }[remat]
+  return nnx.remat(fn, policy=policy)

@@ -1,0 +1,78 @@
+"""remat "auto": the fastest rematerialisation policy whose training step fits the memory budget.
+
+The budget (opt.memory_gib; 0: what JAX may allocate on the device, its bytes_limit) is compared
+with XLA's own plan of the micro-batch program: the train state and gradient sum (resident
+between steps, measured from the arrays) plus the program's temporaries and its batch. On the
+H200 that sum is the measured peak within 0.2 GiB (BENCHMARKS.md, "Rematerialisation"). Policies
+are tried fastest first (kdjax/models/remat.py AUTO_ORDER), each costing one compilation of the
+micro-batch program, until one fits within MARGIN of the budget; none fitting is a user error
+that names the budget. The margin is measured: at 32K, "names" planned at 96.4 GiB of 104.5 ran
+out of memory (one 54.5 GiB block of temporaries found no room in one piece).
+"""
+import dataclasses
+import logging
+
+import jax
+import numpy as np
+from flax import nnx
+
+from kdjax.models import llama, remat
+
+GIB = 2**30
+MARGIN = 0.9  # a plan fits when it needs at most this share of the budget
+
+
+def with_policy(graphdef, model_cfg: llama.ModelConfig, policy: str):
+  """graphdef of the same model with cfg.remat = policy (the policy is static metadata)."""
+  cfg = dataclasses.replace(model_cfg, remat=policy)
+  new, _ = nnx.split(nnx.eval_shape(lambda: llama.Transformer(cfg, rngs=nnx.Rngs(0))))
+  return new, cfg
+
+
+def bytes_per_device(tree) -> int:
+  """Bytes of the arrays of tree on the most loaded local device (sharded arrays: their shard;
+  arrays in host memory, opt.state_memory "host", not counted)."""
+  per = {}
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.Array) and getattr(x.sharding, "memory_kind", None) == "pinned_host":
+      continue
+    if isinstance(x, jax.Array):
+      for shard in x.addressable_shards:
+        per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+    else:
+      per[None] = per.get(None, 0) + np.asarray(x).nbytes
+  return max(per.values(), default=0)
+
+
+def budget_bytes(memory_gib: float) -> float | None:
+  """opt.memory_gib in bytes; 0: the device's allocation limit (None where it has none: CPU)."""
+  if memory_gib:
+    return memory_gib * GIB
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return stats.get("bytes_limit")
+
+
+def choose(graphdef, model_cfg: llama.ModelConfig, resident, lower, memory_gib: float):
+  """(graphdef, cfg) with the fastest policy of AUTO_ORDER that fits, or the given ones when
+  cfg.remat is not "auto". resident: the arrays on the device while a micro-batch runs (train
+  state, gradient sum, the micro-batch); lower(graphdef) -> that program lowered with graphdef."""
+  if model_cfg.remat != "auto":
+    return graphdef, model_cfg
+  budget = budget_bytes(memory_gib)
+  fixed = bytes_per_device(resident)
+  tried = []
+  for policy in remat.AUTO_ORDER:
+    new, cfg = with_policy(graphdef, model_cfg, policy)
+    if budget is None:  # no device limit to plan against (CPU): the fastest
+      return new, cfg
+    plan = lower(new).compile().memory_analysis()
+    need = fixed + plan.temp_size_in_bytes
+    tried.append(f"{policy} {need / GIB:.3g}")
+    if need <= MARGIN * budget:
+      logging.info("remat auto: %s (%.1f GiB planned of %.1f; tried %s)", policy, need / GIB,
+                   budget / GIB, ", ".join(tried))
+      return new, cfg
+  raise ValueError(f"no remat policy fits the training step in {MARGIN:.0%} of {budget / GIB:.3g} "
+                   f"GiB (planned "
+                  f"GiB: {', '.join(tried)}); lower opt.batch_size or data.seq_len, or set "
+                  "opt.state_memory='host'.")
