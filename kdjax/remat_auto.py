@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from kdjax.errors import UserError
 from kdjax.models import llama, remat
 
 GIB = 2**30
@@ -72,7 +73,7 @@ def choose(graphdef, model_cfg: llama.ModelConfig, resident, lower, memory_gib: 
       logging.info("remat auto: %s (%.1f GiB planned of %.1f; tried %s)", policy, need / GIB,
                    budget / GIB, ", ".join(tried))
       return new, cfg
-  raise ValueError(f"no remat policy fits the training step in {MARGIN:.0%} of {budget / GIB:.3g} "
+  raise UserError(f"no remat policy fits the training step in {MARGIN:.0%} of {budget / GIB:.3g} "
                    f"GiB (planned "
                   f"GiB: {', '.join(tried)}); lower opt.batch_size or data.seq_len, or set "
                   "opt.state_memory='host'.")
