@@ -205,7 +205,8 @@ def stage_cache(c, paths: Paths):
                         batch_size=c.cache.batch_size, chunk_size=c.cache.chunk_size,
                         vocab_size=model.lm_head_DxV().shape[1], attrs=attrs,
                         layout=c.cache.layout, rank=rank, world=world,
-                        hidden_dim=split_hidden, mesh=mesh, writers=c.cache.writers)
+                        region_rows=c.cache.region_rows or None, hidden_dim=split_hidden,
+                        mesh=mesh, writers=c.cache.writers)
     parallel.barrier(f"cache {split}")  # every region written before anyone reads the split
 
 
