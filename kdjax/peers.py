@@ -11,9 +11,12 @@ the coordination service). `finish` marks a process done, so one that exits firs
 
 A stop asked of one process (SIGTERM: a time limit, a pre-emption) must stop all at the same
 step, or their checkpoints would differ: `propose_stop(name, step)` records the first proposal
-in the store, which every process reads at each step (`agreed_stop`).
+in the store, which every process reads at each step (`agreed_stop`). Stages that work in
+regions (the cache) stop between them instead (`Stop`).
 """
+import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -142,3 +145,80 @@ def agreed_stop(name: str) -> int | None:
   """The step after which every process stops run `name`, once one proposed it; else None."""
   value = _try_get(_client(), f"kdjax/stop/{name}")
   return None if value is None else int(value)
+
+
+class Stop:
+  """SIGTERM during a stage that works region by region (the cache): every process stops between
+  two regions, or where it waits for the others (`barrier`), by raising KeyboardInterrupt (main
+  exits 130); the stage resumes from its finished regions when the command is run again.
+
+      with peers.Stop("cache", lockstep) as stop:
+        ... stop.before_region() before each region ...
+        stop.barrier("cache train")
+
+  The signalled process proposes where (the key-value store, first proposal holds): processes
+  that write their own regions stop each at its next one; in `lockstep` (every process runs each
+  region: cache.teacher_devices "all") before the region after the proposer's next, which none
+  has started (a region's collectives keep them within one region of each other). Of one
+  process, SIGTERM stops it at once, as Ctrl-C does."""
+
+  POLL_S = 0.5
+
+  def __init__(self, name: str, lockstep: bool = False):
+    self.name, self.lockstep = name, lockstep
+    self.asked = self.proposed = False
+    self.regions = 0  # begun so far; in lockstep the same count on every process
+
+  def __enter__(self):
+    self.previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+    return self
+
+  def __exit__(self, kind, *_):
+    signal.signal(signal.SIGTERM, self.previous)
+    if self.asked and kind is None:  # after the stage's last barrier: nobody reads a stop now
+      logging.warning("SIGTERM came as stage %s ended; the run goes on (send it again to stop "
+                      "it)", self.name)
+
+  def _on_sigterm(self, *_):
+    if not several():
+      raise KeyboardInterrupt
+    self.asked = True
+
+  def _stops_before(self, region: int) -> bool:
+    """Whether the agreed stop (if any) falls before region `region` (1-based); proposes one
+    first when this process was signalled."""
+    if self.asked and not self.proposed:
+      propose_stop(self.name, self.regions + 1 if self.lockstep else 0)
+      self.proposed = True
+    at = agreed_stop(self.name)
+    return at is not None and region >= at
+
+  def before_region(self) -> None:
+    """Called before each region's work: raises KeyboardInterrupt where the stop falls."""
+    self.regions += 1
+    if several() and self._stops_before(self.regions):
+      raise KeyboardInterrupt
+
+  def barrier(self, name: str) -> None:
+    """Waits until every process is here, or a stop is agreed: raises KeyboardInterrupt then.
+    Pass or stop is recorded once in the store, so every process waiting does the same."""
+    if not several():
+      return
+    client, key = _watch.client, f"kdjax/barrier/{name}/"
+    client.key_value_set(f"{key}in/{_watch.me}", "1", allow_overwrite=True)
+    while (outcome := _try_get(client, f"{key}outcome")) is None:
+      absent = set(range(_watch.processes)) - {
+          int(k.rsplit("/", 1)[1]) for k, _ in client.key_value_dir_get(f"{key}in/")}
+      if self._stops_before(self.regions + 1):
+        outcome = "stop"
+      elif not absent:
+        outcome = "pass"
+      else:  # one lost ends this process (Watch)
+        time.sleep(self.POLL_S)
+        continue
+      try:
+        client.key_value_set(f"{key}outcome", outcome, allow_overwrite=False)
+      except Exception:  # another process recorded it first: theirs holds
+        pass
+    if outcome == "stop":
+      raise KeyboardInterrupt
