@@ -9,14 +9,24 @@ naming the lost process and what to do, and ends this process (EXIT_LOST) wherev
 thread is blocked. A process that can no longer reach the store has lost process 0 (it holds
 the coordination service). `finish` marks a process done, so one that exits first is not lost.
 
+Process 0 lost is noticed first by jax.distributed's own client, which aborts the process
+(SIGABRT, after its fatal log line) as soon as the coordination service stops answering;
+its error callback cannot be replaced from Python (jaxlib 0.11.2 cannot pass the error to a
+Python callable: std::bad_cast). So `watch` also catches SIGABRT: when the coordinator's port
+refuses connections it prints kdjax's line naming process 0 and exits EXIT_LOST; any other
+abort goes on as before (thread dumps, exit 134).
+
 A stop asked of one process (SIGTERM: a time limit, a pre-emption) must stop all at the same
 step, or their checkpoints would differ: `propose_stop(name, step)` records the first proposal
 in the store, which every process reads at each step (`agreed_stop`). Stages that work in
 regions (the cache) stop between them instead (`Stop`).
 """
+import ctypes
+import faulthandler
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -82,7 +92,10 @@ class Watch:
     return next((p for p, (_, moved) in self.seen.items() if now - moved > self.timeout_s), None)
 
   def fail(self, lost: int, waited_s: float):
-    sys.stderr.write(message(lost, self.processes, self.me, waited_s) + "\n")
+    self.exit(message(lost, self.processes, self.me, waited_s))
+
+  def exit(self, line: str):
+    sys.stderr.write(line + "\n")
     sys.stderr.flush()
     os._exit(EXIT_LOST)  # no atexit: jax.distributed's shutdown barrier would wait, then abort
 
@@ -97,13 +110,36 @@ def _try_get(client, key: str) -> str | None:
 
 
 def watch(timeout_s: float) -> None:
-  """Starts this process's beat thread, in a run of several processes (else nothing)."""
+  """Starts this process's beat thread and its SIGABRT handler, in a run of several processes
+  (else nothing)."""
   global _watch
   import jax
   client = _client()
   if client is None or jax.process_count() == 1 or _watch is not None:
     return
   _watch = Watch(client, jax.process_index(), jax.process_count(), timeout_s)
+  libc = ctypes.CDLL(None)
+  libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+  libc.signal(signal.SIGABRT, ctypes.cast(_ON_ABORT, ctypes.c_void_p))
+
+
+def _coordinator_answers() -> bool:
+  from jax._src import distributed
+  host, port = distributed.global_state.coordinator_address.rsplit(":", 1)
+  try:
+    socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    return True
+  except OSError:
+    return False
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_int)
+def _ON_ABORT(signum):
+  """SIGABRT, in C: Python's own handlers run too late (abort() ends the process when its handler
+  returns), so this runs on the aborting thread, in a C-level handler that takes the GIL."""
+  if _watch is not None and not _coordinator_answers():
+    _watch.fail(0, time.monotonic() - _watch.reached)
+  faulthandler.dump_traceback(all_threads=True)  # as faulthandler's handler did; abort goes on
 
 
 def fail_if_lost() -> None:

@@ -1,11 +1,11 @@
 """A run of two processes (jax.distributed on localhost, one CPU device each) when one of them
-fails: killed (SIGKILL) during stage train or stage cache, the other prints kdjax's one line
-naming it and exits (kdjax.peers, EXIT_LOST) instead of hanging or aborting, and the same
-command run again resumes to the unbroken run's result (exported parameters, cache bytes,
-metrics); SIGTERM to one process stops both after the same training step, saved, or between two
-cache regions; a process that stalls before its batches is named in the log lines. Faults land
-at exact steps (failpoints), never at a moment chosen by a timer; the timeouts are generous for
-a loaded 2-core machine."""
+fails: killed (SIGKILL) during stage train or stage cache, process 0 (the coordinator) too, the
+other prints kdjax's one line naming it and exits (kdjax.peers, EXIT_LOST) instead of hanging
+or aborting, and the same command run again resumes to the unbroken run's result (exported
+parameters, cache bytes, metrics); SIGTERM to one process stops both after the same training
+step, saved, or between two cache regions; a process that stalls before its batches is named
+in the log lines. Faults land at exact steps (failpoints), never at a moment chosen by a timer;
+the timeouts are generous for a loaded 2-core machine."""
 import json
 import os
 import subprocess
@@ -88,10 +88,7 @@ def assert_resumes(workdir, unbroken):
 
 @pytest.mark.slow  # a few minutes: two-process runs of the smoke demo, broken and resumed
 @pytest.mark.parametrize("failpoint, armed", [
-    (f"step:{PRETRAIN_STEPS + 2}:kill", 1), ("batch:3:kill", 1),
-    # Not yet: with process 0 (and the coordination service in it) gone, jax.distributed's
-    # client aborts process 1 (its fatal error callback, SIGABRT) before kdjax.peers speaks.
-    pytest.param("batch:3:kill", 0, marks=pytest.mark.xfail(strict=True, reason="jax aborts"))],
+    (f"step:{PRETRAIN_STEPS + 2}:kill", 1), ("batch:3:kill", 1), ("batch:3:kill", 0)],
     ids=["train", "cache", "coordinator"])
 def test_one_process_killed(tmp_path, unbroken, failpoint, armed):
   """Process 1 killed at train's step 2 or at its third batch of the cache stage, or process 0
@@ -105,7 +102,9 @@ def test_one_process_killed(tmp_path, unbroken, failpoint, armed):
   last = survivor["stderr"].strip().splitlines()[-1]
   assert last.startswith(f"kdjax: process {armed} of 2 stopped answering"), last
   assert "same command" in last
-  assert "Check failure" not in survivor["stderr"] and "Fatal Python" not in survivor["stderr"]
+  assert "Fatal Python" not in survivor["stderr"]  # no thread dumps
+  if armed == 1:  # process 0 lost: jax.distributed's client logs its fatal error first (peers)
+    assert "Check failure" not in survivor["stderr"]
   assert_resumes(tmp_path, unbroken)
 
 
