@@ -7,7 +7,9 @@ beat to the coordination service's key-value store every few seconds and reads t
 when one's beat has not moved for mesh.failure_timeout_s, the thread prints kdjax's one line,
 naming the lost process and what to do, and ends this process (EXIT_LOST) wherever its main
 thread is blocked. A process that can no longer reach the store has lost process 0 (it holds
-the coordination service). `finish` marks a process done, so one that exits first is not lost.
+the coordination service). `finish` marks a process done, so one that exits first is not lost;
+one that ends with its own error (`finish(error=True)`) ends the others too, naming it, wherever
+they wait for it.
 
 Process 0 lost is noticed first by jax.distributed's own client, which aborts the process
 (SIGABRT, after its fatal log line) as soon as the coordination service stops answering;
@@ -57,6 +59,7 @@ class Watch:
     self.seen = {p: (None, now) for p in range(processes) if p != me}  # last beat, when it moved
     self.reached = now  # when the store last answered
     self.beat = 0
+    self.ending = False  # this process is ending with its own error: it stops no other
     threading.Thread(target=self._run, name="kdjax-peers", daemon=True).start()
 
   def _run(self):
@@ -71,7 +74,12 @@ class Watch:
       self.beat += 1
       self.client.key_value_set(f"kdjax/beat/{self.me}", str(self.beat), allow_overwrite=True)
       for p, (last, moved) in self.seen.items():
-        if _try_get(self.client, f"kdjax/done/{p}") is not None:
+        done = _try_get(self.client, f"kdjax/done/{p}")
+        if done == "error" and not self.ending:
+          self.exit(f"kdjax: process {p} of {self.processes} ended with an error (its own output "
+                    f"says which); process {self.me} stops too. Fix it, then run the same "
+                    f"command again: it resumes.")
+        if done is not None:
           self.seen[p] = (last, float("inf"))  # finished: never lost
           continue
         beat = _try_get(self.client, f"kdjax/beat/{p}")
@@ -118,6 +126,9 @@ def watch(timeout_s: float) -> None:
   if client is None or jax.process_count() == 1 or _watch is not None:
     return
   _watch = Watch(client, jax.process_index(), jax.process_count(), timeout_s)
+  # jax.distributed's pre-emption notifier takes SIGTERM and lets the process run on; outside the
+  # stages that stop on it (training, the cache) it ends the process, as in a run of one.
+  signal.signal(signal.SIGTERM, signal.SIG_DFL)
   libc = ctypes.CDLL(None)
   libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
   libc.signal(signal.SIGABRT, ctypes.cast(_ON_ABORT, ctypes.c_void_p))
@@ -137,6 +148,8 @@ def _coordinator_answers() -> bool:
 def _ON_ABORT(signum):
   """SIGABRT, in C: Python's own handlers run too late (abort() ends the process when its handler
   returns), so this runs on the aborting thread, in a C-level handler that takes the GIL."""
+  if _watch is not None and _watch.ending:  # its own error is printed; the others stopped with it
+    os._exit(1)
   if _watch is not None and not _coordinator_answers():
     _watch.fail(0, time.monotonic() - _watch.reached)
   faulthandler.dump_traceback(all_threads=True)  # as faulthandler's handler did; abort goes on
@@ -156,11 +169,14 @@ def fail_if_lost() -> None:
     time.sleep(_watch.interval_s / 2)
 
 
-def finish() -> None:
-  """This process is done: the others stop watching it."""
+def finish(error: bool = False) -> None:
+  """This process is done: the others stop watching it, or with `error` (it ends with its own
+  error) stop too, naming it."""
   if _watch is not None:
+    _watch.ending = error
     try:
-      _watch.client.key_value_set(f"kdjax/done/{_watch.me}", "1", allow_overwrite=True)
+      _watch.client.key_value_set(f"kdjax/done/{_watch.me}", "error" if error else "1",
+                                  allow_overwrite=True)
     except Exception:
       pass
 
@@ -249,7 +265,7 @@ class Stop:
         outcome = "stop"
       elif not absent:
         outcome = "pass"
-      else:  # one lost ends this process (Watch)
+      else:  # one lost, or ended with its own error, ends this process (Watch)
         time.sleep(self.POLL_S)
         continue
       try:

@@ -124,6 +124,17 @@ def test_sigterm_saves_the_same_step_everywhere(tmp_path, unbroken):
 
 
 @pytest.mark.slow
+def test_an_error_in_one_process_ends_the_other(tmp_path):
+  """Process 1 fails on its own (an exception at its third cache batch): it exits 1 with its
+  traceback, and process 0, wherever it waits for it, names it and exits EXIT_LOST."""
+  out = run_two(tmp_path, "batch:3:raise", "--config.stages=('data', 'pretrain', 'cache')")
+  assert [p["rc"] for p in out] == [peers.EXIT_LOST, 1], out[0]["stderr"][-3000:]
+  assert "FailpointError" in out[1]["stderr"]
+  last = out[0]["stderr"].strip().splitlines()[-1]
+  assert last.startswith("kdjax: process 1 of 2 ended with an error"), last
+
+
+@pytest.mark.slow
 def test_a_stalled_process_is_named(tmp_path):
   """Process 1 sleeps 2 s before each of its training batches: process 0's log lines name it."""
   out = run_two(tmp_path, "step:1:stall", "--config.stages=('data', 'pretrain')")
