@@ -119,6 +119,9 @@ def base() -> ml_collections.ConfigDict:
   c.cache.writers = 0
   c.cache.rank = 0  # this writer's index: several processes/hosts write disjoint regions
   c.cache.world = 1  # number of writers (rank r writes regions r, r + world, ...)
+  # Rows per region, the unit of writing, of crash safety (a killed writer redoes at most the
+  # regions in flight) and of the split between writers; 0 = the data store's (~256K positions)
+  c.cache.region_rows = 0
   # With a mesh of several devices the teacher is sharded over "process": each process's own
   # devices (each process writes its own regions), or "all": every process's (a teacher larger
   # than one host; every process runs each batch, process 0 writes).
@@ -239,6 +242,8 @@ def validate(c: ml_collections.ConfigDict):
            f"cache.layout must be one of {LAYOUTS}, got {c.cache.layout!r}")
   for f in ("batch_size", "chunk_size", "world"):
     _require(c.cache[f] > 0, f"cache.{f} must be > 0, got {c.cache[f]}")
+  _require(c.cache.region_rows >= 0,
+           f"cache.region_rows must be >= 0 (0: the data store's), got {c.cache.region_rows}")
   _require(c.cache.writers >= 0,
            f"cache.writers must be >= 0 (0: min(8, cores)), got {c.cache.writers}")
   _require(0 <= c.cache.rank < c.cache.world,

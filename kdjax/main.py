@@ -1,8 +1,9 @@
 """Entry point: `python -m kdjax.main --config=configs/demo.py [--config.x=y ...]`.
 
 Bad input (kdjax.errors) prints one message and exits 1; --debug or KDJAX_DEBUG=1 adds its
-traceback. Ctrl-C (or SIGTERM while training) exits 130 after the run saved its checkpoint. Of
-several processes, one lost makes the others print which and exit 75 (kdjax.peers).
+traceback. Ctrl-C (or SIGTERM while training or writing the cache) exits 130 after the run saved
+its checkpoint or its finished cache regions. Of several processes, one lost, or ended with its
+own error, makes the others print which and exit 75 (kdjax.peers).
 """
 import logging
 import sys
@@ -48,7 +49,7 @@ def main(argv):
     sys.exit(130)  # train.fit has saved and logged its last step
   except Exception as e:
     peers.fail_if_lost()  # a collective failed because another process was lost: say so
-    peers.finish()
+    peers.finish(error=True)  # the others stop too, naming this one
     if flags.FLAGS.debug or errors.debug() or not errors.is_user_error(e):
       raise
     sys.exit(errors.message(e))

@@ -22,8 +22,8 @@ import jax
 import ml_collections
 from flax import nnx
 
-from kdjax import (cache, checkpoints, checks, config, data, evaluate, parallel, plots, teacher,
-                   tokenizer, train)
+from kdjax import (cache, checkpoints, checks, config, data, evaluate, parallel, peers, plots,
+                   teacher, tokenizer, train)
 from kdjax.errors import UserError
 from kdjax.models import llama, prune
 
@@ -198,16 +198,19 @@ def stage_cache(c, paths: Paths):
   # Of several processes each writes its own regions, unless they all run one teacher.
   rank, world = ((c.cache.rank, c.cache.world) if parallel.spans_processes(mesh)
                  else parallel.cache_rank(c.cache.rank, c.cache.world))
-  for split in ("train", "eval"):
-    split_hidden = hidden_dim if split == "train" else 0
-    if _holds_top_k(paths.cache(split), c.cache.k, attrs["teacher_hash"], split_hidden):
-      continue
-    teacher.write_cache(model, cache.open(paths.data(split)), paths.cache(split), k=c.cache.k,
-                        batch_size=c.cache.batch_size, chunk_size=c.cache.chunk_size,
-                        vocab_size=model.lm_head_DxV().shape[1], attrs=attrs,
-                        layout=c.cache.layout, rank=rank, world=world,
-                        hidden_dim=split_hidden, mesh=mesh, writers=c.cache.writers)
-    parallel.barrier(f"cache {split}")  # every region written before anyone reads the split
+  # SIGTERM stops every process between two regions (kdjax.peers.Stop), to resume from them.
+  with peers.Stop("cache", lockstep=parallel.spans_processes(mesh)) as stop:
+    for split in ("train", "eval"):
+      split_hidden = hidden_dim if split == "train" else 0
+      if _holds_top_k(paths.cache(split), c.cache.k, attrs["teacher_hash"], split_hidden):
+        continue
+      teacher.write_cache(model, cache.open(paths.data(split)), paths.cache(split), k=c.cache.k,
+                          batch_size=c.cache.batch_size, chunk_size=c.cache.chunk_size,
+                          vocab_size=model.lm_head_DxV().shape[1], attrs=attrs,
+                          layout=c.cache.layout, rank=rank, world=world,
+                          region_rows=c.cache.region_rows or None, hidden_dim=split_hidden,
+                          mesh=mesh, writers=c.cache.writers, before_region=stop.before_region)
+      stop.barrier(f"cache {split}")  # every region written before anyone reads the split
 
 
 def _holds_top_k(path: str, k: int, teacher_hash: str, hidden_dim: int) -> bool:

@@ -119,7 +119,7 @@ def _teacher_step(graphdef, state, projection_DxH, tokens_BxT, positions_BxT, se
 
 def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, vocab_size, attrs,
                 layout="float32", rank=0, world=1, region_rows=None, hidden_dim=0, mesh=None,
-                writers=0):
+                writers=0, before_region=lambda: None):
   """Writes (or resumes) the teacher cache of `data_store` at `cache_path`; returns the store.
 
   Args:
@@ -143,6 +143,8 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
       rows over the devices when they divide it), or None for one device. A mesh over several
       processes' devices (parallel.teacher_mesh("all")): every process calls this together and
       runs each batch, process 0 alone creates and writes the cache (rank, world as given).
+    before_region: called before each region's work; it may raise to stop there (SIGTERM,
+      kdjax.peers.Stop), the regions already computed being written first.
   Raises:
     CacheError: bad k or vocabulary, another writer of this rank running, a store of another
       spec at cache_path, a full disk; the message says what to do.
@@ -172,7 +174,8 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
   run = functools.partial(_write_regions, data_store=data_store, model=model,
                           projection_DxH=projection_DxH, k=k, batch_size=batch_size,
                           chunk_size=chunk_size, vocab_size=vocab_size,
-                          desc=f"teacher {rank}/{world}", mesh=mesh, writers=writers)
+                          desc=f"teacher {rank}/{world}", mesh=mesh, writers=writers,
+                          before_region=before_region)
   if parallel.spans_processes(mesh):  # one teacher over all processes: process 0 writes
     lead = jax.process_index() == 0
     if lead:
@@ -196,7 +199,7 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
 
 
 def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_size, chunk_size,
-                   vocab_size, desc, mesh, writers=0, write=True):
+                   vocab_size, desc, mesh, writers=0, write=True, before_region=lambda: None):
   """Computes and writes the rows of `todo` [(start, stop)], region by region (write False:
   computes only, another process of the teacher's mesh writes); writers: threads writing
   regions (0: min(8, cores))."""
@@ -219,6 +222,7 @@ def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_s
         concurrent.futures.ThreadPoolExecutor(writers, thread_name_prefix="cache-writer") as pool):
     pending = collections.deque()
     for start, stop in todo:
+      before_region()  # may raise (a stop): leaving the pool's block waits for its writes
       rows = data_store.read(slice(start, stop))
       # documents_bound of the whole region: one compiled step per region at most (usually one).
       bound = attention.documents_bound(rows["segment_ids"])

@@ -60,6 +60,7 @@ def test_unknown_variant_is_rejected():
     ("cache.chunk_size", 0, "cache.chunk_size must be > 0"),
     ("cache.world", 0, "cache.world must be > 0"),
     ("cache.rank", 1, "cache.rank must be in [0, cache.world = 1), got 1"),
+    ("cache.region_rows", -1, "cache.region_rows must be >= 0"),
     ("opt.lr", -1.0, "opt.lr must be > 0, got -1.0"),
     ("opt.steps", 0, "opt.steps must be >= 1, got 0"),
     ("pretrain.steps", 0, "pretrain.steps must be >= 1, got 0"),

@@ -1,11 +1,14 @@
 """Teacher cache writing: top-k against a dense float64 reference, crash and resume, checks."""
+import os
+import signal
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from kdjax import cache, teacher
+from kdjax import cache, peers, teacher
 from kdjax.models import llama
 
 V, T, D, K = 61, 12, 16, 7  # V, T, K: conftest's make_data and write; D: make_teacher's width
@@ -90,6 +93,27 @@ def test_parallel_writers_write_the_same_bytes_and_resume(tmp_path, monkeypatch,
   assert cache.open(tmp_path / "resumed", allow_partial=True).missing_regions() == [1, 2, 3]
   write(model, data, tmp_path / "resumed", layout=layout_name, writers=3)
   assert store_files(tmp_path / "resumed") == store_files(tmp_path / "one")
+
+
+def test_sigterm_to_one_writer_stops_it_and_resumes(tmp_path, make_data, store_files, write):
+  """SIGTERM to a lone cache writer (kdjax.peers.Stop, as the pipeline runs it) stops it at once,
+  as Ctrl-C does, its finished regions written; the same call again writes the rest, byte for
+  byte an uninterrupted cache. (Of several processes: tests/test_failures.py.)"""
+  model = make_teacher()
+  data = make_data(tmp_path / "data")
+  write(model, data, tmp_path / "whole")
+  with peers.Stop("cache") as stop:
+    def before_region():
+      stop.before_region()
+      if stop.regions == 2:  # as the second region begins
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(KeyboardInterrupt):
+      write(model, data, tmp_path / "resumed", before_region=before_region)
+  assert signal.getsignal(signal.SIGTERM) is not stop._on_sigterm
+  assert cache.open(tmp_path / "resumed", allow_partial=True).missing_regions() == [1, 2, 3]
+  write(model, data, tmp_path / "resumed")
+  assert store_files(tmp_path / "resumed") == store_files(tmp_path / "whole")
 
 
 def test_lm_head_narrower_than_vocab_is_refused(tmp_path, make_data, write):
