@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from experiments.cache_faults import files as store_files
+from tests.fixtures.stores import store_files
 from kdjax import cache, parallel, peers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
