@@ -43,8 +43,9 @@ class Checkpoints:
     meta = self.manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
     # A field added to ModelConfig after the checkpoint was written has its default there.
     meta = {**_meta(llama.ModelConfig()), **meta}
-    if meta != self.model_meta:
-      diff = {k: (meta.get(k), v) for k, v in self.model_meta.items() if meta.get(k) != v}
+    ours = {k: v for k, v in self.model_meta.items() if k not in RUNTIME}
+    if {k: v for k, v in meta.items() if k not in RUNTIME} != ours:
+      diff = {k: (meta.get(k), v) for k, v in ours.items() if meta.get(k) != v}
       raise UserError(
           f"{self.manager.directory} holds a checkpoint of a different model (saved vs config: "
           f"{diff}). Use another workdir, or delete that checkpoint to start over.")
@@ -60,6 +61,11 @@ class Checkpoints:
 
   def close(self):
     self.manager.close()
+
+
+# Fields that say how a model runs, not what it is: a checkpoint resumes under another value
+# (remat "auto" is resolved per run; checkpoints before the policies hold true / false).
+RUNTIME = ("remat",)
 
 
 def _meta(model_cfg: llama.ModelConfig) -> dict:

@@ -157,6 +157,9 @@ def test_checkpoint_of_another_model_shape_is_refused(tmp_path, rng):
   fit(tmp_path, store, opt=opt_group(steps=2))
   with pytest.raises(ValueError, match="different model.*d_model"):
     fit(tmp_path, store, cfg=tiny_model_cfg(d_model=48), opt=opt_group(steps=4))
+  # how the model runs is not what it is: another remat policy resumes the run
+  model = fit(tmp_path, store, cfg=tiny_model_cfg(remat="none"), opt=opt_group(steps=4))
+  assert model.cfg.remat == "none"
 
 
 def test_non_finite_loss_names_the_step(tmp_path, rng):

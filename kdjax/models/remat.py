@@ -18,8 +18,10 @@ twice. Between the two, a policy keeps some (jax.checkpoint_policies):
 
 Every policy computes the same loss and gradients (tests/test_models.py); which one is fastest
 and what each costs at the paper's shapes is measured in BENCHMARKS.md ("Rematerialisation").
-"auto" is resolved before training by kdjax.train.choose_remat: the fastest of AUTO_ORDER whose
-compiled step fits the memory budget (opt.memory_gib).
+"auto" is resolved before training by kdjax.train.resolve_remat (kdjax/remat_auto.py): the
+fastest of AUTO_ORDER whose planned step fits the memory budget (opt.memory_gib). Left
+unresolved (forward passes: eval, the cache; loops of their own) it runs as "full", which costs
+nothing without a backward pass and the least memory with one.
 """
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -50,9 +52,8 @@ def wrap(fn, remat: str):
   """fn (a block's call: module first, then arrays) under the policy; "none" returns fn."""
   if remat == "none":
     return fn
-  if remat == "auto":
-    raise ValueError("remat 'auto' must be resolved (kdjax.train.choose_remat) before the model "
-                     "runs; set student.remat to one of " + ", ".join(POLICIES) + ".")
+  if remat == "auto":  # not resolved (a forward pass, or a loop of its own): the smallest
+    remat = "full"
   policies = jax.checkpoint_policies
   policy = {
       "full": policies.nothing_saveable,
