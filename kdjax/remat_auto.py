@@ -54,11 +54,9 @@ def budget_bytes(memory_gib: float) -> float | None:
 
 
 def choose(graphdef, model_cfg: llama.ModelConfig, resident, lower, memory_gib: float):
-  """(graphdef, cfg) with the fastest policy of AUTO_ORDER that fits, or the given ones when
-  cfg.remat is not "auto". resident: the arrays on the device while a micro-batch runs (train
+  """(graphdef, cfg) with the fastest policy of AUTO_ORDER that fits (cfg.remat is "auto":
+  kdjax.train.resolve_remat calls this only then). resident: the arrays on the device while a micro-batch runs (train
   state, gradient sum, the micro-batch); lower(graphdef) -> that program lowered with graphdef."""
-  if model_cfg.remat != "auto":
-    return graphdef, model_cfg
   budget = budget_bytes(memory_gib)
   fixed = bytes_per_device(resident)
   tried = []
