@@ -49,6 +49,8 @@ from kdjax.models import attention, llama  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "e2e.jsonl")
 
+# One row per micro-batch, 32 per step (configs/8k.py takes two rows x 16 since 2026-12-03).
+ONE_ROW = "--set opt.batch_size=1 --set opt.accum_steps=32"
 # name -> command-line arguments of one configuration
 SWEEP = {
     "8k": "student --config configs/8k.py --docs 4 --memory",
@@ -56,17 +58,23 @@ SWEEP = {
     "8k-1doc": "student --config configs/8k.py --docs 1",
     "8k-bf16state": "student --config configs/8k.py --docs 4 --set opt.state_dtype=bfloat16",
     "8k-host": "student --config configs/8k.py --docs 4 --set opt.state_memory=host",
-    # What each block keeps for its backward pass (kdjax/models/remat.py); "8k" is the config's.
-    "8k-none": "student --config configs/8k.py --docs 4 --memory --set student.remat=none",
-    "8k-names": "student --config configs/8k.py --docs 4 --memory --set student.remat=names",
-    "8k-dots": "student --config configs/8k.py --docs 4 --memory --set student.remat=dots",
-    "8k-offload": "student --config configs/8k.py --docs 4 --memory --set student.remat=offload",
-    "8k-full": "student --config configs/8k.py --docs 4 --memory --set student.remat=full",
+    # What each block keeps for its backward pass (kdjax/models/remat.py), one row per
+    # micro-batch; "8k" is the config's (auto, two rows).
+    "8k-none": "student --config configs/8k.py --docs 4 --memory --set "
+               f"student.remat=none {ONE_ROW}",
+    "8k-names": "student --config configs/8k.py --docs 4 --memory --set "
+                f"student.remat=names {ONE_ROW}",
+    "8k-dots": "student --config configs/8k.py --docs 4 --memory --set "
+               f"student.remat=dots {ONE_ROW}",
+    "8k-offload": "student --config configs/8k.py --docs 4 --memory --set "
+                  f"student.remat=offload {ONE_ROW}",
+    "8k-full": "student --config configs/8k.py --docs 4 --memory --set "
+               f"student.remat=full {ONE_ROW}",
     # Two rows per micro-batch (16 of them per step), the same 32 x 8K tokens.
     "8k-none-b2": "student --config configs/8k.py --docs 4 --memory --set student.remat=none "
-                  "--set opt.batch_size=2 --set opt.accum_steps=16 --mem-fraction 0.92",
+                  "--set opt.batch_size=2 --set opt.accum_steps=16",
     "8k-names-b2": "student --config configs/8k.py --docs 4 --memory --set student.remat=names "
-                   "--set opt.batch_size=2 --set opt.accum_steps=16 --mem-fraction 0.92",
+                   "--set opt.batch_size=2 --set opt.accum_steps=16",
     "8k-accum1": "student --config configs/8k.py --docs 4 --accum 1 --steps 6",
     "32k": "student --config configs/32k.py --docs 8 --steps 2",
     "32k-dots": "student --config configs/32k.py --docs 8 --steps 2 --memory --set student.remat=dots "
@@ -187,7 +195,8 @@ def run_student(args) -> dict:
   loader = cache.Loader(store, rows, seed=0)
   plan = {}
   if mesh is None and (args.memory or not args.steps):
-    plan = print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, c.opt)
+    plan = print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, c.opt,
+                                 model_cfg.dtype)
   if not args.steps:  # the plan only
     loader.close()
     return {"kind": "plan", "seq_len": seq_len, "accum_steps": accum, "docs_per_row": args.docs,
@@ -205,7 +214,8 @@ def run_student(args) -> dict:
       batch = parallel.place_batch(mesh, batch)
     state, metrics, grads_sum = train.train_step(
         state, grads_sum, batch, graphdef=graphdef, tx=tx, loss=loss,
-        state_memory=c.opt.state_memory, max_documents=max_documents, mesh=mesh)
+        state_memory=c.opt.state_memory, max_documents=max_documents,
+        compute_dtype=model_cfg.dtype, mesh=mesh)
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - t0)
     waits.append(t1 - t0)
@@ -243,16 +253,17 @@ def run_student(args) -> dict:
           **({"plan_gib": plan} if plan else {}), **({"profile": profile} if profile else {})}
 
 
-def print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, opt):
+def print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, opt,
+                          compute_dtype):
   """XLA's compiled memory plan of the two programs of a step (GiB), printed and returned."""
   batch = train.to_step_batch(loader.store.read(np.arange(loader.batch_size)), accum, False)
   micro = {k: v[0] for k, v in batch.items()}
   kw = dict(graphdef=graphdef, loss=loss, max_documents=attention.documents_bound(
       batch["segment_ids"]))
-  _, metrics = jax.eval_shape(functools.partial(train.grad_step, **kw), train.trained(state),
-                              grads_sum, micro)
+  params = train.compute_copy(train.trained(state), compute_dtype)
+  _, metrics = jax.eval_shape(functools.partial(train.grad_step, **kw), params, grads_sum, micro)
   programs = {
-      "grad_step": train.grad_step.lower(train.trained(state), grads_sum, micro, **kw),
+      "grad_step": train.grad_step.lower(params, grads_sum, micro, **kw),
       "apply_step": train.apply_step.lower(state, grads_sum, [metrics] * accum, tx=tx,
                                            state_memory=opt.state_memory)}
   plan = {}
@@ -420,7 +431,7 @@ def main():
     p.add_argument("--json", default="", help="append the result here")
     p.add_argument("--memory", action="store_true", help="print XLA's memory plan first")
     p.add_argument("--mem-fraction", type=float, default=0.0,
-                   help="XLA_PYTHON_CLIENT_MEM_FRACTION (0: JAX's default, 0.75)")
+                   help="XLA_PYTHON_CLIENT_MEM_FRACTION (0: the config's mesh.memory_fraction)")
     p.add_argument("--name", default="")
     p.add_argument("--dir", default="/tmp/kdjax_e2e")
     p.add_argument("--profile", default="",
@@ -432,9 +443,10 @@ def main():
   logging.basicConfig(level=logging.INFO, format="%(message)s")  # kdjax's lines (remat auto)
   if args.mem_fraction:  # read when JAX first touches the GPU, below
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
+  parallel.claim_memory(load_config(args.config, args.set).mesh.memory_fraction)  # as kdjax.main
   result = run_student(args) if args.mode == "student" else run_teacher(args)
   result.update(name=args.name, config=getattr(args, "config", ""), overrides=args.set,
-                mem_fraction=args.mem_fraction or 0.75,
+                mem_fraction=float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]),
                 commit=commit(), date=today(), device=str(jax.devices()[0].device_kind))
   print(json.dumps(result), flush=True)
   if args.json:

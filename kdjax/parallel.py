@@ -220,6 +220,12 @@ ENV_COORDINATOR, ENV_PROCESSES, ENV_PROCESS_ID = (
     "KDJAX_COORDINATOR", "KDJAX_NUM_PROCESSES", "KDJAX_PROCESS_ID")
 
 
+def claim_memory(fraction: float) -> None:
+  """Lets JAX allocate `fraction` of each GPU (mesh.memory_fraction) unless the environment
+  already says (XLA_PYTHON_CLIENT_MEM_FRACTION). Read when JAX first uses a GPU: call before."""
+  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(fraction))
+
+
 def initialize_distributed(failure_timeout_s: float = 60) -> None:
   """Joins a multi-process run (jax.distributed) when the environment describes one: our
   variables above, or a SLURM job step of several tasks. Must run before any device is used.

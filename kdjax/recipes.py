@@ -43,7 +43,10 @@ def long_context(seq_len: int, workdir: str, variant: str):
   c.cache.batch_size = 1
   c.cache.chunk_size = 4096
   c.loss.chunk_size = 0  # sized by the loss kernel to the memory it has
-  c.opt.update(lr=1e-4, steps=2000, batch_size=1, accum_steps=32, warmup_steps=100,
+  # 32 rows per optimizer step; at 8K two per micro-batch (fewer, larger matmuls, half the
+  # gradient sums: 9.65 vs 10.04 s per step at 91.6 GiB; BENCHMARKS.md, "Rematerialisation").
+  rows = 2 if seq_len <= 8192 else 1
+  c.opt.update(lr=1e-4, steps=2000, batch_size=rows, accum_steps=32 // rows, warmup_steps=100,
                log_every=1, ckpt_every=50)
   # The gradient sum over 32 micro-batches in bf16: 2 bytes a parameter less for the 3B student,
   # which keeps 8K within its memory target with float32 AdamW (BENCHMARKS.md, e2e: the
