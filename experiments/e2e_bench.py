@@ -195,8 +195,7 @@ def run_student(args) -> dict:
   loader = cache.Loader(store, rows, seed=0)
   plan = {}
   if mesh is None and (args.memory or not args.steps):
-    plan = print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, c.opt,
-                                 model_cfg.dtype)
+    plan = print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, c.opt)
   if not args.steps:  # the plan only
     loader.close()
     return {"kind": "plan", "seq_len": seq_len, "accum_steps": accum, "docs_per_row": args.docs,
@@ -214,8 +213,7 @@ def run_student(args) -> dict:
       batch = parallel.place_batch(mesh, batch)
     state, metrics, grads_sum = train.train_step(
         state, grads_sum, batch, graphdef=graphdef, tx=tx, loss=loss,
-        state_memory=c.opt.state_memory, max_documents=max_documents,
-        compute_dtype=model_cfg.dtype, mesh=mesh)
+        state_memory=c.opt.state_memory, max_documents=max_documents, mesh=mesh)
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - t0)
     waits.append(t1 - t0)
@@ -253,17 +251,16 @@ def run_student(args) -> dict:
           **({"plan_gib": plan} if plan else {}), **({"profile": profile} if profile else {})}
 
 
-def print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, opt,
-                          compute_dtype):
+def print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, opt):
   """XLA's compiled memory plan of the two programs of a step (GiB), printed and returned."""
   batch = train.to_step_batch(loader.store.read(np.arange(loader.batch_size)), accum, False)
   micro = {k: v[0] for k, v in batch.items()}
   kw = dict(graphdef=graphdef, loss=loss, max_documents=attention.documents_bound(
       batch["segment_ids"]))
-  params = train.compute_copy(train.trained(state), compute_dtype)
-  _, metrics = jax.eval_shape(functools.partial(train.grad_step, **kw), params, grads_sum, micro)
+  _, metrics = jax.eval_shape(functools.partial(train.grad_step, **kw), train.trained(state),
+                              grads_sum, micro)
   programs = {
-      "grad_step": train.grad_step.lower(params, grads_sum, micro, **kw),
+      "grad_step": train.grad_step.lower(train.trained(state), grads_sum, micro, **kw),
       "apply_step": train.apply_step.lower(state, grads_sum, [metrics] * accum, tx=tx,
                                            state_memory=opt.state_memory)}
   plan = {}

@@ -192,9 +192,8 @@ def _distillation_loss(hidden_BxTxD, lm_head_DxV, batch, loss: LossSettings, voc
 def grad_step(trained_params, grads_sum, batch_BxT, teacher_params=None, *, graphdef,
               loss: LossSettings, max_documents: int, teacher_graphdef=None,
               mesh: Mesh | None = None):
-  """One micro-batch: its gradients (of trained_params: `trained`, its matmul weights in the
-  compute dtype from train_step's compute_copy) added into the donated running sum, and its
-  metrics.
+  """One micro-batch: its gradients (of trained_params, see `trained`) added into the donated
+  running sum, and its metrics.
   teacher_params / teacher_graphdef: the teacher run in the step (objective "online" only).
 
   The sum is updated in place, so gradient accumulation holds one gradient buffer whatever the
@@ -250,25 +249,17 @@ def init_state(params, tx, opt_cfg, hidden_proj=None):
   return {**train_params, "opt": opt, "step": jnp.zeros((), jnp.int32)}, grads_sum
 
 
-# The trained parameters with the matmul weights in the compute dtype, made once per optimizer
-# step for all its micro-batches (llama.compute_copy: the same values and gradients).
-compute_copy = jax.jit(llama.compute_copy, static_argnums=1)
-
-
 def train_step(state, grads_sum, batch_AxB: dict, *, graphdef, tx, loss: LossSettings,
-               state_memory: str, max_documents: int, compute_dtype: str, teacher=None,
-               mesh: Mesh | None = None):
-  """One optimizer step over A micro-batches: A grad_steps, then apply_step. compute_dtype: the
-  model's (cfg.dtype). teacher: (graphdef, params) of the teacher run in the step (objective
-  "online"), else None. mesh: see loss_fn.
+               state_memory: str, max_documents: int, teacher=None, mesh: Mesh | None = None):
+  """One optimizer step over A micro-batches: A grad_steps, then apply_step. teacher: (graphdef,
+  params) of the teacher run in the step (objective "online"), else None. mesh: see loss_fn.
 
   Returns (state, metrics, grads_sum) with every array still in flight (nothing waits).
   """
-  params = compute_copy(trained(state), compute_dtype)
   metrics_A = []
   for a in range(next(iter(batch_AxB.values())).shape[0]):
     micro_BxT = {k: v[a] for k, v in batch_AxB.items()}
-    grads_sum, metrics = grad_step(params, grads_sum, micro_BxT,
+    grads_sum, metrics = grad_step(trained(state), grads_sum, micro_BxT,
                                    None if teacher is None else teacher[1], graphdef=graphdef,
                                    loss=loss, max_documents=max_documents,
                                    teacher_graphdef=None if teacher is None else teacher[0],
@@ -366,11 +357,9 @@ def resolve_remat(graphdef, model_cfg, state, grads_sum, store, opt, loss, hard_
     kw["teacher_graphdef"] = teacher_graphdef
   if mesh is not None:
     micro = parallel.place_batch(mesh, micro)
-  params = compute_copy(trained(state), model_cfg.dtype)  # resident during the step, as in train_step
-  lower = lambda g: grad_step.lower(params, grads_sum, micro,
+  lower = lambda g: grad_step.lower(trained(state), grads_sum, micro,
                                     None if teacher is None else teacher_params, graphdef=g, **kw)
-  return remat_auto.choose(graphdef, model_cfg, (state, grads_sum, micro, params), lower,
-                           opt.memory_gib)
+  return remat_auto.choose(graphdef, model_cfg, (state, grads_sum, micro), lower, opt.memory_gib)
 
 
 def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, workdir: str,
@@ -423,8 +412,7 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
                      "objective 'online', and only it, runs a teacher in the step")
   step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx, loss=loss,
                               teacher=None if teacher is None else nnx.split(teacher),
-                              state_memory=opt.state_memory, compute_dtype=model_cfg.dtype,
-                              mesh=mesh)
+                              state_memory=opt.state_memory, mesh=mesh)
   max_documents = 1  # only grows (documents_bound), so the step compiles at most log2(T) times
   events = tensorboard.EventWriter(os.path.join(workdir, "tensorboard")) if lead else None
   last_saved = start

@@ -365,7 +365,7 @@ def one_update(opt_overrides, batch_AxB, seed=0):
   settings = train.LossSettings("tail", 1.0, 0.1, "xla", 10, "float32")
   state, metrics, grads_sum = train.train_step(
       state, grads_sum, batch_AxB, graphdef=graphdef, tx=tx, loss=settings,
-      state_memory=opt.state_memory, max_documents=4, compute_dtype="float32")
+      state_memory=opt.state_memory, max_documents=4)
   assert all(float(jnp.abs(g).max()) == 0 for g in jax.tree.leaves(grads_sum))  # zeroed
   return state, {k: float(v) for k, v in metrics.items()}
 

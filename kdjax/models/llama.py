@@ -267,24 +267,6 @@ class Transformer(nnx.Module):
     return w_DxV[:, :cfg.output_vocab_size].astype(DTYPES[cfg.dtype])
 
 
-# Parameters the model reads only as matmul operands in cfg.dtype, casting them at every use
-# (projections, experts, router, untied lm_head): a copy in that dtype made once per optimizer step
-# gives the same values and gradients as the casts, which otherwise run once per micro-batch (two
-# per layer; BENCHMARKS.md, "Rematerialisation"). Not copied: norm scales, biases and sinks (read
-# in float32) and the embedding (its gradient is a scatter-add over tokens, summed in float32).
-COPIED = ("w", "router_DxX", "unembed_DxV")  # prefixes of parameter names
-
-
-def compute_copy(tree, dtype: str):
-  """tree (parameters, as nnx.state gives them, possibly nested in dicts) with the COPIED
-  parameters in dtype; the others are the same arrays. Gradients taken with respect to the copy
-  are those of the originals, in dtype."""
-  def leaf(path, x):
-    name = next(k.key for k in reversed(path) if isinstance(getattr(k, "key", None), str))
-    return x.astype(DTYPES[dtype]) if name.startswith(COPIED) else x
-  return jax.tree_util.tree_map_with_path(leaf, tree)
-
-
 def count_params(model: nnx.Module) -> int:
   """Number of parameters (tied embeddings counted once)."""
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
