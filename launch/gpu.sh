@@ -10,9 +10,8 @@ python=${PYTHON:-.venv/bin/python}
 # Memory is taken as the run needs it, so peak figures are the run's own and a second process
 # (an eval, a notebook) can share the GPU.
 export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
-# JAX takes at most 75% of the GPU unless told: a 128K step needs one 46 GiB block of
-# temporaries beside 42 GiB of model state (BENCHMARKS.md), so allow 90%.
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}
+# The share of the GPU JAX may take is the config's mesh.memory_fraction (0.92; an
+# XLA_PYTHON_CLIENT_MEM_FRACTION in the environment wins).
 # Compiled programs and cuBLAS autotuning results kept across runs: a resumed run compiles in
 # seconds, and compiling allocates no autotuning copies of the matmul operands.
 cache=${KDJAX_CACHE_DIR:-$HOME/.cache/kdjax}
