@@ -216,43 +216,61 @@ def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_s
   # Writer threads: regions are encoded, compressed and written (numpy and tensorstore release
   # the GIL) while the device computes the next ones; at most `writers` regions wait, which bounds
   # host memory. Regions are disjoint files and each is recorded complete only after its own
-  # write, so a crash anywhere loses at most the regions in flight.
+  # write, so a crash anywhere loses at most the regions in flight. The batches stream across
+  # region boundaries and a reader thread fetches the next region's rows, so the device does
+  # not wait for the host between two regions.
   writers = writers or min(8, os.cpu_count() or 1)
+  names = [name for name in ("topk_ids", "topk_logprobs", "hidden") if name in store.dtypes]
   with (tqdm(total=total, unit="tok", unit_scale=True, desc=desc) as bar,
-        concurrent.futures.ThreadPoolExecutor(writers, thread_name_prefix="cache-writer") as pool):
-    pending = collections.deque()
-    for start, stop in todo:
-      before_region()  # may raise (a stop): leaving the pool's block waits for its writes
-      rows = data_store.read(slice(start, stop))
+        concurrent.futures.ThreadPoolExecutor(writers, thread_name_prefix="cache-writer") as pool,
+        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cache-reader") as reader):
+    pending = collections.deque()  # regions being written
+    dispatched = collections.deque()  # (region, lo, outputs) not yet read back
+
+    def collect():
+      region, lo, outputs = dispatched.popleft()
+      # The step's outputs in order; its hidden states (None unless cached) only when stored.
+      for part, x in zip(region["parts"], parallel.gather(outputs[:len(names)])):
+        part.append(np.asarray(x))
+      rows = min(lo + batch_size, region["stop"] - region["start"]) - lo
+      bar.update(rows * store.seq_len)
+      failpoints.hit("batch")
+      region["left"] -= 1
+      if not region["left"]:  # every batch read back: the region goes to a writer
+        out = {name: region["rows"][name] for name in _TOKEN_ARRAYS}
+        out.update({name: np.concatenate(part)[:region["stop"] - region["start"]]
+                    for name, part in zip(names, region["parts"])})
+        while len(pending) >= writers:
+          pending.popleft().result()
+        if write:
+          pending.append(pool.submit(store.write, region["start"], out))
+
+    read = lambda i: reader.submit(data_store.read, slice(*todo[i])) if i < len(todo) else None
+    next_rows = read(0)
+    for i, (start, stop) in enumerate(todo):
+      try:
+        before_region()  # may raise (a stop)
+      except BaseException:
+        while dispatched:  # the regions already computed are written first
+          collect()
+        raise
+      rows = next_rows.result()
+      next_rows = read(i + 1)
       # documents_bound of the whole region: one compiled step per region at most (usually one).
       bound = attention.documents_bound(rows["segment_ids"])
-      # The step's outputs in order; its hidden states (None unless cached) only when stored.
-      parts = {name: [] for name in ("topk_ids", "topk_logprobs", "hidden")
-               if name in store.dtypes}
-
-      def collect(lo, batch_outputs):
-        for part, x in zip(parts.values(), parallel.gather(batch_outputs[:len(parts)])):
-          part.append(np.asarray(x))
-        bar.update((min(lo + batch_size, stop - start) - lo) * store.seq_len)
-        failpoints.hit("batch")
-
+      region = {"start": start, "stop": stop, "rows": rows, "parts": [[] for _ in names],
+                "left": -(-(stop - start) // batch_size)}
       # At most `in_flight` batches dispatched and not yet read (parallel.in_flight: on CPU
       # devices more deadlock in XLA's collectives; on a GPU they also bound its memory).
-      dispatched = collections.deque()
       for lo in range(0, stop - start, batch_size):
-        dispatched.append((lo, step(*(place(_pad_rows(rows[name][lo:lo + batch_size], batch_size))
-                                      for name in ("tokens", "positions", "segment_ids")),
-                                    max_documents=bound)))
+        dispatched.append((region, lo, step(*(place(_pad_rows(rows[name][lo:lo + batch_size],
+                                                                batch_size))
+                                              for name in ("tokens", "positions", "segment_ids")),
+                                            max_documents=bound)))
         if len(dispatched) >= in_flight:
-          collect(*dispatched.popleft())
-      while dispatched:
-        collect(*dispatched.popleft())
-      out = {name: rows[name] for name in _TOKEN_ARRAYS}
-      out.update({name: np.concatenate(part)[:stop - start] for name, part in parts.items()})
-      while len(pending) >= writers:
-        pending.popleft().result()
-      if write:
-        pending.append(pool.submit(store.write, start, out))
+          collect()
+    while dispatched:
+      collect()
     while pending:
       pending.popleft().result()
 
