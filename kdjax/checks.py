@@ -23,11 +23,10 @@ def check_inputs(c, paths: Paths) -> None:
   if "data" in stages and c.data.eval_source:
     sources.source_paths(c.data.eval_source, "data.eval_source")
 
-  tokenizer_path = paths.tokenizer_path
   tok = _run_tokenizer(paths, stages)
   if "data" in stages:
-    _chat_template(c, tok, tokenizer_path)
-  if c.teacher.hf_path and not c.data.tokenizer and "data" in stages:
+    _chat_template(c, tok, paths.tokenizer_path)
+  if c.teacher.hf_path and paths.trains_tokenizer and "data" in stages:
     raise UserError(
         f"teacher.hf_path is set but data.tokenizer is empty, so stage 'data' would train a new "
         f"tokenizer the teacher cannot read: set --config.data.tokenizer={c.teacher.hf_path}.")
@@ -43,7 +42,7 @@ def check_inputs(c, paths: Paths) -> None:
       from kdjax.models import hf  # lazily, as pipeline does
       cfg = hf.config_from_hf(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
                               tokenizer_vocab=vocab)
-      _same_tokenizer(role, group.hf_path, tok, tokenizer_path)
+      _same_tokenizer(role, group.hf_path, tok, paths.tokenizer_path)
       if role == "teacher" and c.init.from_teacher:
         prune.group_config(cfg, c.student, c.init.layers)  # names the field that cannot fit
       output_vocab[role] = cfg.output_vocab_size
