@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kdjax import cache, config, parallel, pipeline, teacher, train  # noqa: E402
+from kdjax import build, cache, config, parallel, teacher, train  # noqa: E402
 from kdjax.models import attention, llama  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "e2e.jsonl")
@@ -173,7 +173,7 @@ def run_student(args) -> dict:
   rows = c.opt.batch_size * accum
   rng = np.random.default_rng(0)
   # vocab_size 0 in a group is the tokenizer's: the teacher's in these configs
-  model_cfg = pipeline.model_config(c.student, c.teacher.vocab_size or 128256)
+  model_cfg = build.model_config(c.student, c.teacher.vocab_size or 128256)
   directory = os.path.join(args.dir, f"student_{seq_len}_{rows}_{args.docs}")
   shutil.rmtree(directory, ignore_errors=True)
   t0 = time.perf_counter()
@@ -276,7 +276,7 @@ def print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, o
 
 def run_teacher(args) -> dict:
   c = load_config(args.config, args.set)
-  model_cfg = pipeline.model_config(c.teacher, c.teacher.vocab_size or 128256)
+  model_cfg = build.model_config(c.teacher, c.teacher.vocab_size or 128256)
   # as pipeline.stage_cache: a mesh of several devices shards the teacher over this process's
   mesh = parallel.teacher_mesh("process") if mesh_of(c) is not None else None
   make = lambda: llama.Transformer(model_cfg, rngs=nnx.Rngs(0))

@@ -41,7 +41,7 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # sibling scripts
                 os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # kdjax, configs
 import demo_ab  # noqa: E402
 import e2e_bench  # noqa: E402
-from kdjax import cache, evaluate, pipeline  # noqa: E402
+from kdjax import build, cache, evaluate, pipeline  # noqa: E402
 from kdjax.kernels import objectives  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fidelity.jsonl")
@@ -113,8 +113,7 @@ def distil(prep, args, teacher, caches, eval_store, *, objective, k, seed, tempe
 
   cached = demo_ab.distil(prep, args.out, name, seed, edit)
   c = configs[0]
-  student = pipeline.finished_model(c, pipeline.Paths.from_config(c), "student", c.student,
-                                    c.opt)
+  student = build.Models.from_config(c).finished("student", c.student, c.opt.steps)
   online = evaluate.evaluate_online(student, teacher, eval_store,
                                     batch_size=prep.eval.batch_size, max_seqs=prep.eval.max_seqs)
   return {**line, **{m: online[m if m != "top1" else "top1_agreement"] for m in METRICS},
@@ -223,8 +222,8 @@ def main():
     plot(lines, plot_path(args))
     return
   prep = demo_ab.prepare(args.out, args.variant)
-  teacher = pipeline.finished_model(prep, pipeline.Paths.from_config(prep), "teacher",
-                                    prep.teacher, prep.pretrain)
+  teacher = build.Models.from_config(prep).finished("teacher", prep.teacher,
+                                                    prep.pretrain.steps)
   os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
   top = max(ks)
   hidden_dims = (prep.teacher.d_model, prep.teacher.d_model // 4)

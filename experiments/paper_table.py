@@ -40,7 +40,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import e2e_bench  # noqa: E402
-from kdjax import pipeline, train  # noqa: E402
+from kdjax import build, train  # noqa: E402
 from kdjax.models import attention, llama  # noqa: E402
 
 METHODS = ("online", "dense", "chunked", "ours")
@@ -122,7 +122,7 @@ def run(method: str, args) -> dict:
   # The paper's objective, so that every method computes the same loss (configs default to tail).
   c = e2e_bench.load_config(args.config, ["loss.objective=sparse"])
   seq_len, accum = c.data.seq_len, c.opt.accum_steps
-  student_cfg = pipeline.model_config(c.student, 128256)
+  student_cfg = build.model_config(c.student, 128256)
   rng = np.random.default_rng(0)
   directory = os.path.join(args.dir, "paper_table")
   shutil.rmtree(directory, ignore_errors=True)
@@ -139,7 +139,7 @@ def run(method: str, args) -> dict:
   state, grads_sum = train.init_state(params, tx, c.opt)
   teacher_graphdef, teacher_params, teacher_flops = None, None, 0.0
   if method == "online":
-    teacher_cfg = pipeline.model_config(c.teacher, 128256)
+    teacher_cfg = build.model_config(c.teacher, 128256)
     teacher_graphdef, teacher_params = nnx.split(llama.Transformer(teacher_cfg,
                                                                    rngs=nnx.Rngs(1)))
     teacher_flops = train_flops(teacher_cfg, batches) / 3.0  # forward only: a third

@@ -77,9 +77,9 @@ def write_chat(path: str, rng, tokens: int, words: int):
 def write_teacher(c, directory: str, tokenizer_dir: str):
   """Random weights of the config's teacher shapes, exported as a Hugging Face checkpoint."""
   from flax import nnx
-  from kdjax import pipeline
+  from kdjax import build
   from kdjax.models import hf, llama
-  cfg = pipeline.model_config(c.teacher, 0 if c.teacher.vocab_size else 128256)
+  cfg = build.model_config(c.teacher, 0 if c.teacher.vocab_size else 128256)
   model = llama.Transformer(cfg, rngs=nnx.Rngs(0))
   hf.export(model, cfg, directory, tokenizer_dir=tokenizer_dir)
 

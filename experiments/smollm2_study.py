@@ -37,7 +37,8 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # sibling scripts
                 os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # kdjax, configs
 import e2e_bench  # noqa: E402
 from configs import smollm2  # noqa: E402
-from kdjax import cache, evaluate, pipeline  # noqa: E402
+from kdjax import build, cache, evaluate, pipeline  # noqa: E402
+from kdjax.workdir import Paths  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "smollm2.jsonl")
 HF_REFERENCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kdjax",
@@ -108,8 +109,7 @@ def run_arm(prep, root: str, a: dict, teacher, eval_store, args) -> dict:
   c = arm_config(prep, root, a)
   pipeline.run(c)
   run = "baseline" if a["objective"] == "hard" else "student"
-  paths = pipeline.Paths.from_config(c)
-  model = pipeline.finished_model(c, paths, run, c.student, c.opt)
+  model = build.Models.from_config(c).finished(run, c.student, c.opt.steps)
   online = evaluate.evaluate_online(model, teacher, eval_store, batch_size=c.eval.batch_size,
                                     max_seqs=args.eval_rows)
   return {"arm": arm_name(a), **a, "steps": c.opt.steps,
@@ -191,10 +191,10 @@ def perplexity(prep, root: str, teacher, args):
   for line in todo:
     a = {k: line[k] for k in ("init", "objective", "k", "tokens", "seed", "hidden")}
     c = arm_config(prep, root, a)
-    paths = pipeline.Paths.from_config(c)
-    model = pipeline.finished_model(c, paths, line["run"], c.student, c.opt)
+    models = build.Models.from_config(c)
+    model = models.finished(line["run"], c.student, c.opt.steps)
     out_dir = os.path.join(work, line["arm"])
-    hf.export(model, model.cfg, out_dir, tokenizer_dir=paths.tokenizer_dir)
+    hf.export(model, model.cfg, out_dir, tokenizer_dir=models.paths.tokenizer_dir)
     ours = evaluate.evaluate_online(model, teacher, eval_store, batch_size=c.eval.batch_size,
                                     max_seqs=PERPLEXITY_ROWS)
     line["kdjax_ce_rows"] = ours["ce"]
@@ -305,8 +305,8 @@ def main():
                          "--prepare-only"]).returncode
     sys.exit(rc or launch(args))
   pipeline.run(prep)
-  paths = pipeline.Paths.from_config(prep)
-  teacher = pipeline.load_teacher(prep, paths)
+  paths = Paths.from_config(prep)
+  teacher = build.Models.from_config(prep, paths).teacher_model()
   if args.perplexity:
     perplexity(prep, args.root, teacher, args)
     return

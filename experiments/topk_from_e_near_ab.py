@@ -38,6 +38,7 @@ import demo_ab  # noqa: E402
 import topk_from_e_ab  # noqa: E402
 from kdjax import cache, evaluate, pipeline  # noqa: E402
 from kdjax.models import hf  # noqa: E402
+from kdjax.workdir import Paths  # noqa: E402
 
 ARMS = ("exact", "from_e")
 METRICS = ("kl", "full_kl", "top1_agreement", "ce")
@@ -113,7 +114,7 @@ def main():
   args = demo_ab.parse_args(__doc__, "runs/topk_from_e_near_ab", add_arguments)
   objectives = args.objectives.split(",")
   prep = demo_ab.prepare(args.prep)
-  teacher, cfg = pipeline.stage_pretrain(prep, pipeline.Paths.from_config(prep))  # restored
+  teacher, cfg = pipeline.stage_pretrain(prep, Paths.from_config(prep))  # restored
   store = cache.open(os.path.join(prep.workdir, "cache", "eval.zarr"))
   kl_to_teacher = lambda model: full_kl(teacher, model, store, prep.eval.batch_size)
   floor = teacher_in_bf16(teacher, cfg, prep, store, args.out)
@@ -136,7 +137,7 @@ def main():
         results[name] = demo_ab.distil(prep, args.out, name, seed, edit,
                                        train_only=lambda arm=arm: topk_from_e_ab.arm_terms(arm))
         c = configs[os.path.join(args.out, name)]
-        student, _ = pipeline.stage_train(c, pipeline.Paths.from_config(c))  # restored
+        student, _ = pipeline.stage_train(c, Paths.from_config(c))  # restored
         results[name]["full_kl"] = kl_to_teacher(student)
         demo_ab.report(results, args.out)
       with open(os.path.join(args.out, name, "eval.json")) as f:

@@ -7,10 +7,12 @@ from kdjax import tokenizer
 from kdjax.errors import UserError
 from kdjax.data import sources
 from kdjax.models import prune
+from kdjax.workdir import Paths
 
 
-def check_inputs(c, tokenizer_path: str) -> None:
-  """Raises UserError (or the loaders' own, which name the file)."""
+def check_inputs(c, paths: Paths) -> None:
+  """Raises UserError (or the loaders' own, which name the file). paths: the run's, which decide
+  its tokenizer."""
   stages = set(c.stages)
   for field, path in (("workdir", c.workdir), ("cache.path", c.cache.path)):
     if path and os.path.isfile(path):
@@ -21,10 +23,10 @@ def check_inputs(c, tokenizer_path: str) -> None:
   if "data" in stages and c.data.eval_source:
     sources.source_paths(c.data.eval_source, "data.eval_source")
 
-  tok = _run_tokenizer(c, tokenizer_path, stages)
+  tok = _run_tokenizer(paths, stages)
   if "data" in stages:
-    _chat_template(c, tok, tokenizer_path)
-  if c.teacher.hf_path and not c.data.tokenizer and "data" in stages:
+    _chat_template(c, tok, paths.tokenizer_path)
+  if c.teacher.hf_path and paths.trains_tokenizer and "data" in stages:
     raise UserError(
         f"teacher.hf_path is set but data.tokenizer is empty, so stage 'data' would train a new "
         f"tokenizer the teacher cannot read: set --config.data.tokenizer={c.teacher.hf_path}.")
@@ -40,7 +42,7 @@ def check_inputs(c, tokenizer_path: str) -> None:
       from kdjax.models import hf  # lazily, as pipeline does
       cfg = hf.config_from_hf(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
                               tokenizer_vocab=vocab)
-      _same_tokenizer(role, group.hf_path, tok, tokenizer_path)
+      _same_tokenizer(role, group.hf_path, tok, paths.tokenizer_path)
       if role == "teacher" and c.init.from_teacher:
         prune.group_config(cfg, c.student, c.init.layers)  # names the field that cannot fit
       output_vocab[role] = cfg.output_vocab_size
@@ -55,16 +57,14 @@ def check_inputs(c, tokenizer_path: str) -> None:
            if not c.student.hf_path else "Pick a student checkpoint with the teacher's tokenizer."))
 
 
-def _run_tokenizer(c, tokenizer_path: str, stages: set):
-  """The tokenizer the run will use (tokenizer_path: pipeline.Paths.tokenizer), or None when
-  stage 'data' is about to train it."""
-  if c.data.tokenizer or os.path.exists(tokenizer_path):
-    return tokenizer.load(tokenizer_path)  # names a missing or unreadable file
-  if "data" not in stages:
+def _run_tokenizer(paths: Paths, stages: set):
+  """The tokenizer the run will use, or None when stage 'data' is about to train it."""
+  tok = paths.tokenizer_or_none()  # names a missing or unreadable file
+  if tok is None and "data" not in stages:
     raise UserError(
-        f"no tokenizer: {tokenizer_path} does not exist and stage 'data', which writes it, is not "
-        "listed. Add 'data' to --config.stages, or set --config.data.tokenizer.")
-  return None
+        f"no tokenizer: {paths.tokenizer_path} does not exist and stage 'data', which writes it, "
+        "is not listed. Add 'data' to --config.stages, or set --config.data.tokenizer.")
+  return tok
 
 
 def _chat_template(c, tok, tokenizer_path: str) -> None:

@@ -11,8 +11,6 @@ Outputs under the workdir:
   curves.png                  training CE, KL and top-1 agreement of the students
   export/                     (stage export) the student as a Hugging Face checkpoint directory
 """
-import dataclasses
-import functools
 import json
 import logging
 import os
@@ -20,178 +18,61 @@ import time
 
 import jax
 import ml_collections
-from flax import nnx
 
-from kdjax import (cache, checkpoints, checks, config, data, evaluate, parallel, peers, plots,
-                   teacher, tokenizer, train)
+from kdjax import (build, cache, checkpoints, checks, config, data, evaluate, parallel, peers,
+                   plots, teacher, tokenizer, train)
 from kdjax.errors import UserError
-from kdjax.models import llama, prune
-
-
-@dataclasses.dataclass(frozen=True)
-class Paths:
-  """Where a run's files are; the one place that decides which tokenizer the run uses."""
-  workdir: str
-  cache_dir: str
-  tokenizer: str  # data.tokenizer, else the one stage data trained (trained_tokenizer)
-
-  @classmethod
-  def from_config(cls, c) -> "Paths":
-    return cls(c.workdir, c.cache.path or os.path.join(c.workdir, "cache"),
-               c.data.tokenizer or os.path.join(c.workdir, "data", "tokenizer.json"))
-
-  def data(self, split: str) -> str:
-    return os.path.join(self.workdir, "data", f"{split}.zarr")
-
-  def cache(self, split: str) -> str:
-    return os.path.join(self.cache_dir, f"{split}.zarr")
-
-  @property
-  def trained_tokenizer(self) -> str:
-    return os.path.join(self.workdir, "data", "tokenizer.json")
-
-  @property
-  def tokenizer_dir(self) -> str:
-    """The folder holding the run's tokenizer.json (and tokenizer_config.json, if any)."""
-    return self.tokenizer if os.path.isdir(self.tokenizer) else os.path.dirname(self.tokenizer)
-
-  def run(self, name: str) -> str:
-    return os.path.join(self.workdir, name)
-
-
-def load_tokenizer(c, paths: Paths):
-  return tokenizer.load(paths.tokenizer)
-
-
-def model_config(group: ml_collections.ConfigDict, vocab_size: int) -> llama.ModelConfig:
-  """The model shapes of a config group; vocab_size 0 takes the tokenizer's size."""
-  return llama.ModelConfig.from_config(group, vocab_size=group.vocab_size or vocab_size)
-
-
-def new_model(group, vocab_size: int, seed: int,
-              mesh=None) -> tuple[nnx.Module, llama.ModelConfig]:
-  """A model from its Hugging Face checkpoint (group.hf_path) or freshly initialised. mesh: of
-  several devices, a checkpoint's tensors go straight to their shards (parallel.place_param)."""
-  if group.hf_path:
-    from kdjax.models import hf  # imported lazily: only runs with checkpoints need safetensors
-    start = time.perf_counter()
-    place = functools.partial(parallel.place_param, mesh) if parallel.several(mesh) else None
-    model, cfg = hf.load(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
-                         remat=group.remat, place=place)
-    logging.info("loaded %s in %.1f s", group.hf_path, time.perf_counter() - start)
-    return model, cfg
-  cfg = model_config(group, vocab_size)
-  return llama.Transformer(cfg, rngs=nnx.Rngs(seed)), cfg
-
-
-def model_config_of(group, vocab_size: int) -> llama.ModelConfig:
-  """The shapes of a group's model without building it: its checkpoint's config.json, or the
-  group's fields (vocab_size 0: the tokenizer's)."""
-  if group.hf_path:
-    from kdjax.models import hf
-    return hf.config_from_hf(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
-                             remat=group.remat)
-  return model_config(group, vocab_size)
-
-
-def shapes_of(c, group, vocab_size: int) -> llama.ModelConfig:
-  """model_config_of, except that a student pruned from its teacher (init.from_teacher) has the
-  teacher's shapes with the student's pruned dims: one answer for training, eval and export."""
-  if group is c.student and c.init.from_teacher:
-    return prune.group_config(model_config_of(c.teacher, vocab_size), group, c.init.layers)
-  return model_config_of(group, vocab_size)
-
-
-def start_model(c, paths: Paths, group, vocab_size: int, mesh=None, resuming: bool = False):
-  """new_model, except that a student pruned from its teacher is pruned here; when resuming, a
-  random model of its shapes, as the checkpoint replaces its values."""
-  if not (group is c.student and c.init.from_teacher):
-    return new_model(group, vocab_size, c.seed, mesh)
-  cfg = shapes_of(c, group, vocab_size)
-  if resuming:
-    return llama.Transformer(cfg, rngs=nnx.Rngs(c.seed)), cfg
-  return pruned_student(c, paths, cfg, mesh), cfg
-
-
-def pruned_student(c, paths: Paths, cfg: llama.ModelConfig, mesh=None) -> nnx.Module:
-  """The teacher pruned to cfg, importances measured on the train data's first rows."""
-  model = load_teacher(c, paths, mesh)
-  store = cache.open(paths.data("train"))
-  rows = store.read(slice(0, min(c.init.calibration_rows, store.num_seqs)), hidden=False)
-  student, kept = prune.from_teacher(model, cfg, rows, layers=c.init.layers,
-                                     batch_size=c.cache.batch_size)
-  t = model.cfg
-  logging.info("student pruned from its teacher (%d rows): layers %s of %d, d_model %d/%d, "
-               "heads %d/%d (kv %d/%d), d_ff %d/%d; %.2fM of %.2fM parameters",
-               len(rows["tokens"]), list(kept.layers), t.n_layers, cfg.d_model, t.d_model,
-               cfg.n_heads, t.n_heads, cfg.n_kv_heads, t.n_kv_heads, cfg.d_ff, t.d_ff,
-               llama.count_params(student) / 1e6, llama.count_params(model) / 1e6)
-  return student
-
-
-def finished_model(c, paths: Paths, name: str, group, opt):
-  """The model run `name` trained, parameters only, if it finished; else None."""
-  cfg = shapes_of(c, group, load_tokenizer(c, paths).vocab_size)
-  return checkpoints.restore_finished(paths.run(name), cfg, opt.steps)
+from kdjax.workdir import Paths
 
 
 def stage_data(c, paths: Paths):
-  data.build(c.data, tokenizer_path=paths.trained_tokenizer, train_path=paths.data("train"),
-             eval_path=paths.data("eval"))
+  data.build(c.data, paths.tokenizer_or_none(), tokenizer_path=paths.trained_tokenizer,
+             train_path=paths.data("train"), eval_path=paths.data("eval"))
 
 
-def _fit(c, paths, name, group, opt, open_store, hard_labels, teacher=None):
+def _fit(models: build.Models, name, group, opt, open_store, *, hard_labels, loss, mesh_cfg,
+         teacher=None):
   """Trains the model of `group` on open_store(model_cfg); a finished run is restored instead."""
-  vocab = load_tokenizer(c, paths).vocab_size
-  shapes = shapes_of(c, group, vocab)
+  shapes = models.shapes(group)
   store = open_store(shapes)  # refuses a mismatch, finished or not
-  done = checkpoints.restore_finished(paths.run(name), shapes, opt.steps)
+  done = models.finished(name, group, opt.steps)
   if done is not None:
     logging.info("%s: finished (step %d), restored", name, opt.steps)
     return done, done.cfg
-  mesh = parallel.make_mesh(c.mesh)
-  model, cfg = start_model(c, paths, group, vocab, mesh,
-                           resuming=checkpoints.has_checkpoint(paths.run(name)))
-  model = train.fit(name=name, model=model, model_cfg=cfg, store=store,
-                    workdir=paths.run(name), opt=opt, loss_cfg=c.loss, hard_labels=hard_labels,
-                    seed=c.seed, teacher=teacher, mesh=mesh)
+  workdir = models.paths.run(name)
+  mesh = parallel.make_mesh(mesh_cfg)
+  model, cfg = models.start(group, mesh, resuming=checkpoints.has_checkpoint(workdir))
+  model = train.fit(name=name, model=model, model_cfg=cfg, store=store, workdir=workdir,
+                    opt=opt, loss_cfg=loss, hard_labels=hard_labels, seed=models.seed,
+                    teacher=teacher, mesh=mesh)
   return model, cfg
 
 
-def _open_data(c, paths: Paths, split: str):
-  return lambda cfg: cache.open(paths.data(split), seq_len=c.data.seq_len)
+def _open_data(path: str, seq_len: int):
+  return lambda cfg: cache.open(path, seq_len=seq_len)
 
 
 def stage_pretrain(c, paths: Paths):
-  return _fit(c, paths, "teacher", c.teacher, c.pretrain, _open_data(c, paths, "train"), True)
+  return _fit(build.Models.from_config(c, paths), "teacher", c.teacher, c.pretrain,
+              _open_data(paths.data("train"), c.data.seq_len), hard_labels=True, loss=c.loss,
+              mesh_cfg=c.mesh)
 
 
-def load_teacher(c, paths: Paths, mesh=None):
-  if c.teacher.hf_path:
-    return new_model(c.teacher, 0, c.seed, mesh)[0]
-  model = finished_model(c, paths, "teacher", c.teacher, c.pretrain)
-  if model is None:
-    raise UserError(
-        f"no finished teacher in {paths.run('teacher')}: set teacher.hf_path to a Hugging Face "
-        "checkpoint directory, or add stage 'pretrain' before 'cache'.")
-  return model
-
-
-def teacher_mesh(c):
+def teacher_mesh(mesh_cfg, teacher_devices: str):
   """A mesh of several devices shards the teacher over this process's devices, or with
   cache.teacher_devices "all" over every process's (then process 0 alone writes); else None."""
-  several = c.mesh.data * c.mesh.fsdp * c.mesh.tensor > 1
-  return parallel.teacher_mesh(c.cache.teacher_devices) if several else None
+  several = mesh_cfg.data * mesh_cfg.fsdp * mesh_cfg.tensor > 1
+  return parallel.teacher_mesh(teacher_devices) if several else None
 
 
 def stage_cache(c, paths: Paths):
-  mesh = teacher_mesh(c)
-  model = load_teacher(c, paths, mesh)
+  mesh = teacher_mesh(c.mesh, c.cache.teacher_devices)
+  model = build.Models.from_config(c, paths).teacher_model(mesh)
   # The hash identifies the weights; the name is for people (a workdir may move, so no path).
   attrs = {"teacher": c.teacher.hf_path or "trained by stage pretrain (<workdir>/teacher)",
            "teacher_hash": teacher.weights_hash(
                c.teacher.hf_path or os.path.join(paths.run("teacher"), "ckpt")),
-           "tokenizer_hash": tokenizer.tokenizer_hash(load_tokenizer(c, paths)),
+           "tokenizer_hash": tokenizer.tokenizer_hash(paths.tokenizer()),
            "source": c.data.source}
   # Hidden states only where a loss reads them: the train split.
   hidden_dim = (c.cache.hidden_dim or model.cfg.d_model) if c.cache.hidden_states else 0
@@ -227,35 +108,31 @@ def _holds_top_k(path: str, k: int, teacher_hash: str, hidden_dim: int) -> bool:
   return False
 
 
-def student_tokenizer_hash(c, paths: Paths) -> str:
-  """A student from a checkpoint brings its own tokenizer; it must be the cache's."""
-  own = c.student.hf_path and os.path.exists(os.path.join(c.student.hf_path, "tokenizer.json"))
-  return tokenizer.tokenizer_hash(tokenizer.load(c.student.hf_path) if own
-                                  else load_tokenizer(c, paths))
-
-
-def open_cache(c, paths: Paths, split: str):
-  """Opens a cache for a student of config `cfg`, refusing any mismatch with what it expects."""
-  tok_hash = student_tokenizer_hash(c, paths)
-  return lambda cfg: cache.open(paths.cache(split), vocab_size=cfg.output_vocab_size,
-                                k=c.cache.k, seq_len=c.data.seq_len, tokenizer_hash=tok_hash,
-                                hidden=split == "train" and c.loss.hidden_weight > 0)
-
-
 def stage_train(c, paths: Paths):
+  models = build.Models.from_config(c, paths)
+  teacher_model = None
   if c.loss.objective == "online":  # the teacher in the step, on the tokenised data
-    return _fit(c, paths, "student", c.student, c.opt, _open_data(c, paths, "train"), False,
-                teacher=load_teacher(c, paths))
-  return _fit(c, paths, "student", c.student, c.opt, open_cache(c, paths, "train"), False)
+    open_store = _open_data(paths.data("train"), c.data.seq_len)
+    teacher_model = models.teacher_model()
+  else:
+    # Refuses a cache of another vocabulary, k, length or tokenizer than the student expects.
+    tok_hash = tokenizer.tokenizer_hash(paths.student_tokenizer())
+    open_store = lambda cfg: cache.open(
+        paths.cache("train"), vocab_size=cfg.output_vocab_size, k=c.cache.k,
+        seq_len=c.data.seq_len, tokenizer_hash=tok_hash, hidden=c.loss.hidden_weight > 0)
+  return _fit(models, "student", c.student, c.opt, open_store, hard_labels=False, loss=c.loss,
+              mesh_cfg=c.mesh, teacher=teacher_model)
 
 
 def stage_baseline(c, paths: Paths):
-  return _fit(c, paths, "baseline", c.student, c.opt, _open_data(c, paths, "train"), True)
+  return _fit(build.Models.from_config(c, paths), "baseline", c.student, c.opt,
+              _open_data(paths.data("train"), c.data.seq_len), hard_labels=True, loss=c.loss,
+              mesh_cfg=c.mesh)
 
 
 def stage_eval(c, paths: Paths):
+  models = build.Models.from_config(c, paths)
   eval_store = cache.open(paths.cache("eval"))
-  vocab = load_tokenizer(c, paths).vocab_size
   results = {}
 
   def measure(name, model):  # one model in memory at a time: the teacher may be large
@@ -263,7 +140,7 @@ def stage_eval(c, paths: Paths):
                                       max_seqs=c.eval.max_seqs,
                                       chunk_size=c.loss.chunk_size or None, desc=f"eval {name}")
 
-  measure("student_init", start_model(c, paths, c.student, vocab)[0])
+  measure("student_init", models.start(c.student)[0])
   weights = [os.path.join(c.teacher.hf_path, name) for name in
              ("model.safetensors", "model.safetensors.index.json")]
   if c.teacher.hf_path and not any(map(os.path.exists, weights)):
@@ -273,13 +150,13 @@ def stage_eval(c, paths: Paths):
   elif c.teacher.hf_path:
     # Its own held-out CE is the reference the students are measured against; its KL to the
     # top-k it cached is ~0 (up to cache.layout's quantisation) and its top-1 agreement ~1.
-    measure("teacher", load_teacher(c, paths, teacher_mesh(c)))
+    measure("teacher", models.teacher_model(teacher_mesh(c.mesh, c.cache.teacher_devices)))
   # Every finished model of the workdir, whichever stages this run lists.
   runs = [("student", c.student, c.opt), ("baseline", c.student, c.opt)]
   if not c.teacher.hf_path:
     runs.insert(0, ("teacher", c.teacher, c.pretrain))
   for name, group, opt in runs:
-    model = finished_model(c, paths, name, group, opt)
+    model = models.finished(name, group, opt.steps)
     if model is not None:
       measure(name, model)
     elif os.path.isdir(paths.run(name)):
@@ -304,17 +181,14 @@ def stage_eval(c, paths: Paths):
 def stage_export(c, paths: Paths):
   """Writes the distilled student as a Hugging Face checkpoint directory: <workdir>/export."""
   from kdjax.models import hf
-  model = finished_model(c, paths, "student", c.student, c.opt)
+  model = build.Models.from_config(c, paths).finished("student", c.student, c.opt.steps)
   if model is None:
     raise UserError(
         f"no finished student in {paths.run('student')} (opt.steps = {c.opt.steps}): run stage "
         "'train' before 'export'.")
-  cfg = model.cfg
-  own = c.student.hf_path and os.path.exists(os.path.join(c.student.hf_path, "tokenizer.json"))
-  tokenizer_dir = c.student.hf_path if own else paths.tokenizer_dir
   if jax.process_index() != 0:  # several processes: process 0 writes
     return
-  hf.export(model, cfg, paths.run("export"), tokenizer_dir=tokenizer_dir)
+  hf.export(model, model.cfg, paths.run("export"), tokenizer_dir=paths.student_tokenizer_dir)
   logging.info("exported the student to %s (transformers.AutoModelForCausalLM loads it)",
                paths.run("export"))
 
@@ -347,7 +221,7 @@ def run(c: ml_collections.ConfigDict):
   config.validate(c)
   lead = jax.process_index() == 0
   paths = Paths.from_config(c)
-  checks.check_inputs(c, paths.tokenizer)  # the run's tokenizer, as Paths decided
+  checks.check_inputs(c, paths)  # the run's tokenizer, as Paths decided
   os.makedirs(c.workdir, exist_ok=True)
   if lead:
     with open(os.path.join(c.workdir, "config.json"), "w") as f:

@@ -5,9 +5,10 @@ import os
 
 import pytest
 
-from kdjax import checks, config, pipeline, tokenizer
+from kdjax import checks, config, tokenizer
 from kdjax.errors import UserError
 from kdjax.models import hf
+from kdjax.workdir import Paths
 
 WORDS = [" ".join(f"w{i * j % 97}" for j in range(40)) for i in range(60)]
 
@@ -45,7 +46,7 @@ def run_config(world, tmp_path, **fields):
 
 def refused(c, error, *words):
   with pytest.raises(error) as info:
-    checks.check_inputs(c, pipeline.Paths.from_config(c).tokenizer)
+    checks.check_inputs(c, Paths.from_config(c))
   for word in words:
     assert word in str(info.value), (word, str(info.value))
   assert not os.path.exists(c.workdir)  # nothing written
@@ -55,7 +56,7 @@ def refused(c, error, *words):
 def test_a_good_run_passes(world, tmp_path):
   for c in (run_config(world, tmp_path),
             run_config(world, tmp_path, **{"student.hf_path": str(world / "student")})):
-    checks.check_inputs(c, pipeline.Paths.from_config(c).tokenizer)
+    checks.check_inputs(c, Paths.from_config(c))
 
 
 def test_workdir_or_cache_path_is_a_file(world, tmp_path):
@@ -64,7 +65,7 @@ def test_workdir_or_cache_path_is_a_file(world, tmp_path):
           UserError, "cache.path", "is a file")
   c = run_config(world, tmp_path, workdir=str(tmp_path / "file"))
   with pytest.raises(UserError, match="workdir"):
-    checks.check_inputs(c, str(tmp_path / "t.json"))
+    checks.check_inputs(c, Paths.from_config(c))
 
 
 def test_missing_data_file(world, tmp_path):
@@ -120,8 +121,9 @@ def test_chat_data_with_a_tokenizer_without_template(world, tmp_path, smollm2_to
   with_template = run_config(world, tmp_path, **{
       "data.source": str(chat), "data.tokenizer": smollm2_tokenizer(tmp_path / "smollm2"),
       "teacher.hf_path": "", "stages": ("data",)})
-  checks.check_inputs(with_template, pipeline.Paths.from_config(with_template).tokenizer)
-  checks.check_inputs(run_config(world, tmp_path), str(world / "tok"))
+  checks.check_inputs(with_template, Paths.from_config(with_template))
+  good = run_config(world, tmp_path)
+  checks.check_inputs(good, Paths.from_config(good))
 
 
 def test_missing_eval_source(world, tmp_path):
@@ -129,4 +131,4 @@ def test_missing_eval_source(world, tmp_path):
                     Exception, "no.jsonl", "data.eval_source")
   assert "\n" not in message
   c = run_config(world, tmp_path, **{"data.eval_source": str(world / "train.jsonl")})
-  checks.check_inputs(c, pipeline.Paths.from_config(c).tokenizer)
+  checks.check_inputs(c, Paths.from_config(c))

@@ -80,7 +80,7 @@ def test_build_from_config_trains_tokenizer_on_stdlib(tmp_path):
   paths = dict(tokenizer_path=str(tmp_path / "data" / "tokenizer.json"),
                train_path=str(tmp_path / "data" / "train.zarr"),
                eval_path=str(tmp_path / "data" / "eval.zarr"))
-  stage.build(c, **paths)
+  stage.build(c, None, **paths)
   tok = tokenizer.load(paths["tokenizer_path"])
   assert tokenizer.real_vocab_size(tok) == 300
   train = cache.open(paths["train_path"], k=0, seq_len=32,
@@ -88,7 +88,7 @@ def test_build_from_config_trains_tokenizer_on_stdlib(tmp_path):
   rows = train.read(slice(0, 4))
   assert rows["tokens"][0, 0] == tok.bos_id and rows["loss_mask"].any()
   assert (rows["segment_ids"] != 0).mean() > 0.9  # code files are long: little padding
-  stage.build(c, **paths)  # complete: skipped, tokenizer kept
+  stage.build(c, tok, **paths)  # complete: skipped, tokenizer kept
   assert tokenizer.tokenizer_hash(tokenizer.load(paths["tokenizer_path"])) == \
       tokenizer.tokenizer_hash(tok)
 

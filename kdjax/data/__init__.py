@@ -3,7 +3,7 @@
   sources.py   documents(source, ...): "stdlib" or .jsonl/.parquet, streamed
   chat.py      chat templates rendered as transformers does, with assistant spans
   packing.py   pack(token_docs, seq_len, bos_id=, eos_id=): greedy rows with segments
-  stage.py     build(c.data, ...): the stage; build_stores(...): its tokenise-pack-write core
+  stage.py     build(c.data, tok, ...): the stage; build_stores(...): its tokenise-pack-write core
 """
 from kdjax.data.stage import build, build_stores, tokenize
 from kdjax.data.packing import Packer, pack

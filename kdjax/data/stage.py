@@ -26,26 +26,24 @@ _ARRAYS = {"tokens": np.int32, "segment_ids": np.int32, "positions": np.int32,
            "loss_mask": np.bool_}
 
 
-def build(c, *, tokenizer_path: str, train_path: str, eval_path: str) -> None:
+def build(c, tok: tokenizer.Tokenizer | None, *, tokenizer_path: str, train_path: str,
+          eval_path: str) -> None:
   """Runs the data stage from the `c.data` config group.
 
-  Loads `c.tokenizer`, or trains a BPE of `c.vocab_size` on the training documents and writes
-  it to `tokenizer_path` (kept for later runs), then writes the stores unless they are complete.
+  `tok` is the run's tokenizer (workdir.Paths decides which); when None, trains a BPE of
+  `c.vocab_size` on the training documents and writes it to `tokenizer_path` (kept for later
+  runs). Then writes the stores unless they are complete.
   """
-  if c.tokenizer:
-    tok = tokenizer.load(c.tokenizer)
-  elif os.path.exists(tokenizer_path):
-    tok = tokenizer.load(tokenizer_path)
-    if tokenizer.real_vocab_size(tok) > c.vocab_size:
-      raise sources.DataError(
-          f"{tokenizer_path} has {tokenizer.real_vocab_size(tok)} tokens but data.vocab_size is "
-          f"{c.vocab_size}: delete the workdir's data/ to retokenise")
-  else:
+  if tok is None:
     texts = (d.text for i, d in enumerate(sources.documents(
         c.source, text_field=c.text_field, messages_field=c.messages_field,
         max_bytes=c.max_bytes)) if c.eval_source or not _held_out(i, c.eval_every))
     logging.info("training a %d-token BPE on %s", c.vocab_size, c.source)
     tok = tokenizer.train_bpe(texts, c.vocab_size, tokenizer_path)
+  elif not c.tokenizer and tokenizer.real_vocab_size(tok) > c.vocab_size:
+    raise sources.DataError(
+        f"{tokenizer_path} has {tokenizer.real_vocab_size(tok)} tokens but data.vocab_size is "
+        f"{c.vocab_size}: delete the workdir's data/ to retokenise")
   build_stores(c.source, tok, c.seq_len, train_path, eval_path, eval_every=c.eval_every,
                eval_source=c.eval_source, max_bytes=c.max_bytes, text_field=c.text_field,
                messages_field=c.messages_field, loss_mask=c.loss_mask)

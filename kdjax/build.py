@@ -1,0 +1,124 @@
+"""Building and restoring models: the one owner of how a run's models come to be.
+
+A model is initialised from its config group (`model_config`, `new_model`), loaded from a Hugging
+Face checkpoint (`group.hf_path`), pruned from its teacher (a student with init.from_teacher), or
+restored from a finished run's checkpoint. `Models`, made from the config once per stage, ties
+these to one run: which group is the student, whether it is pruned, where the teacher comes from.
+
+This module sits above `models/` rather than in it: restoring reads `checkpoints` (which imports
+models/), pruning reads the tokenised data's store, and a mesh places a checkpoint's tensors
+(`parallel`). `models/` stays the networks and their file formats alone. Import level 5, beside
+`train`; pipeline and experiments import it, nothing below does.
+"""
+import dataclasses
+import functools
+import logging
+import time
+
+import ml_collections
+from flax import nnx
+
+from kdjax import cache, checkpoints, parallel
+from kdjax.errors import UserError
+from kdjax.models import llama, prune
+from kdjax.workdir import Paths
+
+
+def model_config(group: ml_collections.ConfigDict, vocab_size: int) -> llama.ModelConfig:
+  """The model shapes of a config group; vocab_size 0 takes the tokenizer's size."""
+  return llama.ModelConfig.from_config(group, vocab_size=group.vocab_size or vocab_size)
+
+
+def model_config_of(group, vocab_size: int) -> llama.ModelConfig:
+  """The shapes of a group's model without building it: its checkpoint's config.json, or the
+  group's fields (vocab_size 0: the tokenizer's)."""
+  if group.hf_path:
+    from kdjax.models import hf  # imported lazily: only runs with checkpoints need safetensors
+    return hf.config_from_hf(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
+                             remat=group.remat)
+  return model_config(group, vocab_size)
+
+
+def new_model(group, vocab_size: int, seed: int,
+              mesh=None) -> tuple[nnx.Module, llama.ModelConfig]:
+  """A model from its Hugging Face checkpoint (group.hf_path) or freshly initialised. mesh: of
+  several devices, a checkpoint's tensors go straight to their shards (parallel.place_param)."""
+  if group.hf_path:
+    from kdjax.models import hf
+    start = time.perf_counter()
+    place = functools.partial(parallel.place_param, mesh) if parallel.several(mesh) else None
+    model, cfg = hf.load(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
+                         remat=group.remat, place=place)
+    logging.info("loaded %s in %.1f s", group.hf_path, time.perf_counter() - start)
+    return model, cfg
+  cfg = model_config(group, vocab_size)
+  return llama.Transformer(cfg, rngs=nnx.Rngs(seed)), cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+  """How one run builds, restores and loads its models (run names: paths.run)."""
+  teacher: ml_collections.ConfigDict
+  student: ml_collections.ConfigDict
+  init: ml_collections.ConfigDict  # init.from_teacher: the student is its teacher pruned
+  seed: int
+  teacher_steps: int  # pretrain.steps: a trained teacher is finished at this step
+  calibration_batch: int  # cache.batch_size: rows per teacher pass when measuring importances
+  paths: Paths
+
+  @classmethod
+  def from_config(cls, c, paths: Paths | None = None) -> "Models":
+    return cls(c.teacher, c.student, c.init, c.seed, c.pretrain.steps, c.cache.batch_size,
+               paths or Paths.from_config(c))
+
+  def _pruned(self, group) -> bool:
+    return group is self.student and self.init.from_teacher
+
+  def shapes(self, group) -> llama.ModelConfig:
+    """model_config_of, except that a student pruned from its teacher has the teacher's shapes
+    with the student's pruned dims: one answer for training, eval and export."""
+    vocab_size = self.paths.tokenizer().vocab_size
+    if self._pruned(group):
+      return prune.group_config(model_config_of(self.teacher, vocab_size), group,
+                                self.init.layers)
+    return model_config_of(group, vocab_size)
+
+  def start(self, group, mesh=None, resuming: bool = False):
+    """new_model, except that a student pruned from its teacher is pruned here; when resuming, a
+    random model of its shapes, as the checkpoint replaces its values."""
+    if not self._pruned(group):
+      return new_model(group, self.paths.tokenizer().vocab_size, self.seed, mesh)
+    cfg = self.shapes(group)
+    if resuming:
+      return llama.Transformer(cfg, rngs=nnx.Rngs(self.seed)), cfg
+    return self.pruned_student(cfg, mesh), cfg
+
+  def pruned_student(self, cfg: llama.ModelConfig, mesh=None) -> nnx.Module:
+    """The teacher pruned to cfg, importances measured on the train data's first rows."""
+    model = self.teacher_model(mesh)
+    store = cache.open(self.paths.data("train"))
+    rows = store.read(slice(0, min(self.init.calibration_rows, store.num_seqs)), hidden=False)
+    student, kept = prune.from_teacher(model, cfg, rows, layers=self.init.layers,
+                                       batch_size=self.calibration_batch)
+    t = model.cfg
+    logging.info("student pruned from its teacher (%d rows): layers %s of %d, d_model %d/%d, "
+                 "heads %d/%d (kv %d/%d), d_ff %d/%d; %.2fM of %.2fM parameters",
+                 len(rows["tokens"]), list(kept.layers), t.n_layers, cfg.d_model, t.d_model,
+                 cfg.n_heads, t.n_heads, cfg.n_kv_heads, t.n_kv_heads, cfg.d_ff, t.d_ff,
+                 llama.count_params(student) / 1e6, llama.count_params(model) / 1e6)
+    return student
+
+  def finished(self, name: str, group, steps: int):
+    """The model run `name` trained, parameters only, if it reached `steps`; else None."""
+    return checkpoints.restore_finished(self.paths.run(name), self.shapes(group), steps)
+
+  def teacher_model(self, mesh=None) -> nnx.Module:
+    """The teacher: its Hugging Face checkpoint, or the one stage pretrain finished."""
+    if self.teacher.hf_path:
+      return new_model(self.teacher, 0, self.seed, mesh)[0]
+    model = self.finished("teacher", self.teacher, self.teacher_steps)
+    if model is None:
+      raise UserError(
+          f"no finished teacher in {self.paths.run('teacher')}: set teacher.hf_path to a Hugging "
+          "Face checkpoint directory, or add stage 'pretrain' before 'cache'.")
+    return model
