@@ -12,7 +12,7 @@ them), writes them as sharded zarr v3 arrays exactly as a store does (one shard 
 through blosc, crc32c) and reports, per encoding:
   - bytes per position on disk of topk_ids + topk_logprobs,
   - relative error of the loss and of its gradients (student hidden states and lm_head) against
-    the float32 rows, for each objective of kdjax.kernels.topk_kl_loss, for two students: a
+    the float32 rows, for each objective of kdjax.loss.topk_kl_loss, for two students: a
     random one (hidden ~ N(0, 1), lm_head ~ N(0, 1/D)) and one whose logits are the teacher's
     plus noise (see `student`), on the first rows holding --loss-positions positions (the same
     rows for every encoding).
@@ -31,8 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
-from kdjax import cache, kernels
+from kdjax import cache
 from kdjax.cache import layout
+from kdjax.loss import topk_kl
 
 OBJECTIVES = ("sparse", "tail", "renorm")
 
@@ -84,7 +85,7 @@ def disk_bytes(path, arr, region_rows, shuffle):
 
 @functools.partial(jax.jit, static_argnames="objective")  # compiled once per objective
 def loss_and_grads(hidden, lm_head, ids, logprobs, mask, objective):
-  fn = lambda h, w: kernels.topk_kl_loss(h, w, ids, logprobs, mask, objective=objective,
+  fn = lambda h, w: topk_kl.topk_kl_loss(h, w, ids, logprobs, mask, objective=objective,
                                          impl="xla")
   return jax.value_and_grad(fn, argnums=(0, 1))(hidden, lm_head)
 

@@ -11,7 +11,7 @@ demo's steps and learning rate) under each cached objective ("sparse", "tail", "
 every k, and under "online" (the teacher in the step, full-vocabulary KL), once per seed (model
 init and data order): the same data, steps and seeds everywhere. Then, for the cached objective
 with the lowest mean full KL at the largest k: temperature 2, a hard-label CE mix (ce_weight
-0.5), and the hidden-state term (hidden_weight 1, kdjax/kernels/hidden.py) against the teacher's
+0.5), and the hidden-state term (hidden_weight 1, kdjax/loss/hidden.py) against the teacher's
 cached final hidden states, whole (hidden_dim = its width) and through a fixed random projection
 to a quarter of it, at that k.
 
@@ -42,7 +42,7 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # sibling scripts
 import demo_ab  # noqa: E402
 import e2e_bench  # noqa: E402
 from kdjax import build, cache, evaluate, pipeline  # noqa: E402
-from kdjax.kernels import objectives  # noqa: E402
+from kdjax.loss import objectives  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fidelity.jsonl")
 METRICS = ("full_kl", "top1", "ce", "ece")

@@ -93,9 +93,9 @@ def loss_step(impl, chunk, dw_dtype=None, per_position=False):
   """jit(value_and_grad) of the loss in hidden and lm_head; arguments (h, w, ids, logp, mask).
   per_position: the loss also returns its per-position terms (an aux output)."""
   import jax
-  from kdjax import kernels
+  from kdjax.loss import topk_kl
   return jax.jit(jax.value_and_grad(
-      lambda h, w, ids, logp, mask: kernels.topk_kl_loss(
+      lambda h, w, ids, logp, mask: topk_kl.topk_kl_loss(
           h, w, ids, logp, mask, impl=impl, chunk_size=chunk, dw_dtype=dw_dtype,
           return_aux=per_position, per_position=per_position),
       argnums=(0, 1), has_aux=per_position))
@@ -170,12 +170,13 @@ def run_liger(shape, tokens):
 
 
 def _apply_overrides():
-  """KDJAX_BENCH_SET="pallas_exact.BLOCK=2048,chunked.MAX_CHUNK=4096": module constants for A/B runs."""
+  """KDJAX_BENCH_SET="kernels.logit_passes.BLOCK=2048,loss.chunked.MAX_CHUNK=4096": module
+  constants (of kdjax's modules) for A/B runs."""
   import importlib
   for item in filter(None, os.environ.get("KDJAX_BENCH_SET", "").split(",")):
     name, value = item.split("=")
     module, attr = name.rsplit(".", 1)
-    setattr(importlib.import_module(f"kdjax.kernels.{module}"), attr, int(value))
+    setattr(importlib.import_module(f"kdjax.{module}"), attr, int(value))
 
 
 def memory(spec, out_dir):
@@ -239,7 +240,7 @@ def check(shapes="AB", tokens=4000):
   """Max relative errors of the fused impls (bf16 inputs) vs the reference on f32 inputs."""
   import jax
   import jax.numpy as jnp
-  from kdjax import kernels
+  from kdjax.loss import topk_kl
   first, last = shapes[0], shapes[-1]
   cases = [(first, "sparse", 1.0, 0.0), (first, "tail", 1.0, 0.0), (first, "renorm", 1.0, 0.0),
            (last, "sparse", 2.0, 0.5), (last, "tail", 1.0, 0.3)]
@@ -249,7 +250,7 @@ def check(shapes="AB", tokens=4000):
     kw = dict(objective=objective, temperature=tau, labels=labels, ce_weight=ce_weight)
 
     def grads(impl, h, w):
-      return jax.jit(jax.value_and_grad(lambda h, w: kernels.topk_kl_loss(
+      return jax.jit(jax.value_and_grad(lambda h, w: topk_kl.topk_kl_loss(
           h, w, ids, logp, mask, impl=impl, **kw), argnums=(0, 1)))(h, w)
 
     with jax.default_matmul_precision("highest"):
@@ -282,19 +283,19 @@ def dwcheck(specs):
   against float32 accumulation (one rounding at the end), same inputs, default chunks."""
   import jax
   import jax.numpy as jnp
-  from kdjax import kernels
+  from kdjax.loss import topk_kl
   for spec in specs.split(","):
     shape, tokens = spec.split(":")
     hidden, lm_head, ids, logp, mask, labels = jax_inputs(shape, int(tokens))
     grads = {}
     for dw_dtype in (None, "float32"):
-      step = jax.jit(jax.grad(lambda h, w: kernels.topk_kl_loss(
+      step = jax.jit(jax.grad(lambda h, w: topk_kl.topk_kl_loss(
           h, w, ids, logp, mask, objective="tail", impl="pallas", dw_dtype=dw_dtype),
           argnums=(0, 1)))
       grads[dw_dtype] = [g.astype(jnp.float32) for g in step(hidden, lm_head)]
       del step
     rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
-    from kdjax.kernels import fused, objectives
+    from kdjax.loss import fused, objectives
     chunk = fused.default_chunk(int(tokens), *SHAPES[shape], jnp.bfloat16,
                                  objectives.LossSpec("tail", 1.0, 0.0, False))
     print("DWCHECK " + json.dumps(dict(

@@ -14,7 +14,7 @@ top-100 cache, as experiments/e2e_bench.py writes them. The methods differ only 
              the student's [T, V] logits materialised, KL over the grid
   chunked    offline, forward-chunked: the same sparse KL over positions in chunks of 1024, each
              chunk's logits recomputed in the backward pass (jax.checkpoint), gradients by autodiff
-  ours       offline, kdjax's fused chunked loss (kernels.topk_kl_loss, impl "auto"), as
+  ours       offline, kdjax's fused chunked loss (kdjax.loss.topk_kl_loss, impl "auto"), as
              `train.grad_step` runs it
 
 Each runs in a process of its own (peak memory cannot be reset). One iteration = 32 micro-steps

@@ -20,29 +20,30 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # sibling scripts
 import contextlib  # noqa: E402
 
 import demo_ab  # noqa: E402
-from kdjax.kernels import chunked, objectives  # noqa: E402
+from kdjax.loss import chunked, objectives  # noqa: E402
 
 
 def from_e(chunk_terms):
   """chunk_terms with the top-k and label logits recovered from the bf16 E (when E exists)."""
 
   def patched(hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, project, dtype,
-              stats=False):
-    logits_CxV, e_CxV, sums, gathered, terms = chunk_terms(
-        hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, project, dtype, stats)
-    if e_CxV is None:
-      return logits_CxV, e_CxV, sums, gathered, terms
-    _, _, lse_s_C, lse_z_C = gathered
-    shift_C = jnp.max(logits_CxV, axis=-1)  # xla_exp_pass shifts by the row maximum
-    tiny = jnp.finfo(e_CxV.dtype).tiny
+              stats=False, axis=None):
+    out = chunk_terms(hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, project, dtype,
+                      stats, axis)
+    if out.e_CxV is None:
+      return out
+    shift_C = jnp.max(out.logits_CxV, axis=-1)  # exp_pass_reference shifts by the row maximum
+    tiny = jnp.finfo(out.e_CxV.dtype).tiny
 
     def recover(ids_CxJ):
-      e_CxJ = jnp.take_along_axis(e_CxV, ids_CxJ, axis=-1).astype(jnp.float32)
+      e_CxJ = jnp.take_along_axis(out.e_CxV, ids_CxJ, axis=-1).astype(jnp.float32)
       return shift_C[:, None] + spec.temperature * jnp.log(jnp.maximum(e_CxJ, tiny))
 
-    zk_CxK, zl_C = recover(ids_CxK), recover(labels_C[:, None])[:, 0]
-    terms = objectives.row_terms(zk_CxK, zl_C, lse_s_C, lse_z_C, logp_CxK, spec)
-    return logits_CxV, e_CxV, sums, (zk_CxK, zl_C, lse_s_C, lse_z_C), terms
+    gathered = out.gathered._replace(zk_CxK=recover(ids_CxK),
+                                     zl_C=recover(labels_C[:, None])[:, 0])
+    # The per-position statistics (stats) stay the exact pass's.
+    terms = dict(out.terms, **objectives.row_terms(*gathered, logp_CxK, spec))
+    return out._replace(gathered=gathered, terms=terms)
 
   return patched
 

@@ -12,7 +12,7 @@ import ml_collections
 from kdjax.errors import UserError
 from kdjax.cache.layout import LAYOUTS
 from kdjax.data.sources import LOSS_MASKS
-from kdjax.kernels import IMPLS, objectives
+from kdjax.loss import IMPLS, objectives
 from kdjax.models import llama, prune
 from kdjax.parallel import TEACHER_DEVICES
 
@@ -22,7 +22,7 @@ from kdjax.parallel import TEACHER_DEVICES
 # kdjax.pipeline runs stage_<name> for each, in this order.
 STAGES = ("data", "pretrain", "cache", "train", "baseline", "eval", "export")
 DTYPES = tuple(llama.DTYPES)
-# The cached objectives (kdjax.kernels.objectives) and "online": the teacher in the step.
+# The cached objectives (kdjax.loss.objectives) and "online": the teacher in the step.
 OBJECTIVES = objectives.OBJECTIVES + ("online",)
 STATE_MEMORIES = ("device", "host")  # where AdamW's moments live between updates
 
@@ -139,11 +139,11 @@ def base() -> ml_collections.ConfigDict:
   # the teacher must fit beside the student). "tail" was closest to the teacher at every k
   # measured (README, "Which objective, k and options"; experiments/fidelity.py).
   c.loss.objective = "tail"
-  c.loss.temperature = 1.0  # softening; see kdjax.kernels for the exact definition
+  c.loss.temperature = 1.0  # softening; see kdjax.loss.topk_kl for the exact definition
   c.loss.ce_weight = 0.0  # weight of hard-label cross-entropy mixed into the distillation loss
   # Weight of the hidden-state term: squared error between the student's final hidden states
   # (through a learned projection when widths differ) and the teacher's cached ones, over the
-  # teacher's squared norm (scale-free; kdjax/kernels/hidden.py); needs cache.hidden_states
+  # teacher's squared norm (scale-free; kdjax/loss/hidden.py); needs cache.hidden_states
   c.loss.hidden_weight = 0.0
   # "auto" (pallas on GPU, xla on CPU), "xla", "pallas", "pallas_exact", "paper", "reference"
   c.loss.impl = "auto"

@@ -18,8 +18,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from kdjax import kernels
-from kdjax.kernels import full_kl
+from kdjax.loss import full_kl, topk_kl
 from kdjax.models import attention
 from kdjax.data.packing import next_token_labels
 
@@ -30,7 +29,7 @@ def _batch_sums(params, batch, *, graphdef, chunk_size, max_documents):
   hidden_BxTxD = model(batch["tokens"], batch["positions"], batch["segment_ids"], max_documents)
   lm_head_DxV = model.lm_head_DxV().astype(hidden_BxTxD.dtype)  # as in training
   mask_BxT = batch["loss_mask"]
-  _, aux = kernels.topk_kl_loss(
+  _, aux = topk_kl.topk_kl_loss(
       hidden_BxTxD, lm_head_DxV, batch["topk_ids"], batch["topk_logprobs"], mask_BxT,
       objective="sparse", labels=batch["labels"], impl="xla", chunk_size=chunk_size,
       return_aux=True, per_position=True)

@@ -12,8 +12,9 @@ vocabulary, heads and MLP width of every parameter that has them (named by its s
 V, H, G, F; `spec_of`): the lm_head by vocabulary, the body Megatron-style. The model body is
 partitioned by XLA from these placements; the fused loss, whose kernels XLA cannot partition,
 runs per device under `shard_map` on its own rows and its own vocabulary columns
-(`sharded_loss`; the kernels' statistics combined across the tensor axis per chunk, kdjax.kernels
-.chunked.combine_shards): each device's masked mean is turned into the global one with psums.
+(`sharded_loss`; the kernels' statistics combined across the tensor axis per chunk,
+kdjax.loss.chunked.combine_shards): each device's masked mean is turned into the global one with
+psums.
 
 The teacher (cache stage) of a run whose mesh has several devices is sharded over each process's
 own devices (`teacher_mesh`: its weights split over them as they load, a batch's rows too), so a
@@ -247,7 +248,7 @@ def sharded_loss(loss_fn, mesh: Mesh | None, hidden_BxTxD, lm_head_DxV, batch: d
   """loss_fn(hidden, lm_head, batch, vocab_axis) -> (masked mean, {name: masked mean}) over the
   whole batch: per device on its rows under shard_map when the mesh has several devices (lm_head
   gathered whole, or with mesh.tensor > 1 its vocabulary split over "tensor": loss_fn then gets
-  vocab_axis="tensor", see kernels.topk_kl_loss), each mean weighted by its device's count of
+  vocab_axis="tensor", see kdjax.loss.topk_kl_loss), each mean weighted by its device's count of
   batch["loss_mask"]."""
   if not several(mesh):
     return loss_fn(hidden_BxTxD, lm_head_DxV, batch, vocab_axis=None)

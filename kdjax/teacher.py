@@ -4,7 +4,7 @@ Shape letters: B batch, T positions, D model width, V vocabulary, K top-k, C chu
 H width of the cached hidden states.
 
 Optionally the teacher's final hidden states (after the final norm: what its lm_head reads) are
-cached beside the top-k, in bf16, for the hidden-state loss term (kdjax.kernels.hidden): whole
+cached beside the top-k, in bf16, for the hidden-state loss term (kdjax.loss.hidden): whole
 (H = D), or through a fixed random projection to H < D columns (hidden_projection_DxH), which
 keeps inner products and distances on average while the cache stores H / D of the bytes.
 

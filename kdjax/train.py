@@ -2,13 +2,13 @@
 
 Distillation reads a teacher cache (top-k ids and log-probs per position), or, with objective
 "online" (the reference the cached objectives approximate), runs the teacher in the step on a
-plain data store and takes the full-vocabulary KL (kdjax.kernels.full_kl). Hard-label training
+plain data store and takes the full-vocabulary KL (kdjax.loss.full_kl). Hard-label training
 (the demo's teacher pre-training and the hard-label baseline) reads a plain data store and uses the
 same loss with a one-hot "teacher": K = 1, id = next token, log-prob 0, for which the sparse KL
 is exactly the cross-entropy. One code path for both.
 
 With loss.hidden_weight > 0 the cache also holds the teacher's final hidden states, and their
-normalised squared distance to the student's (kdjax.kernels.hidden) is added to the loss; when
+normalised squared distance to the student's (kdjax.loss.hidden) is added to the loss; when
 the widths differ, a learned projection [D, H] is trained beside the model (state["hidden_proj"],
 never exported).
 
@@ -32,9 +32,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
-from kdjax import cache, kernels, parallel, peers, remat_auto, tensorboard
+from kdjax import cache, parallel, peers, remat_auto, tensorboard
 from kdjax.cache import durable, failpoints
-from kdjax.kernels import full_kl, hidden
+from kdjax.loss import full_kl, hidden, topk_kl
 from kdjax.checkpoints import Checkpoints
 from kdjax.data.packing import next_token_labels
 from kdjax.models import attention, llama
@@ -149,7 +149,7 @@ def loss_fn(trained_params, graphdef, batch, loss: LossSettings, max_documents: 
   lm_head_DxV = model.lm_head_DxV().astype(hidden_BxTxD.dtype)
   if loss.objective == "online":
     value, metrics = _distillation_loss(hidden_BxTxD, lm_head_DxV, batch, loss)
-  else:  # per device on its rows when the batch is split over several (the kernels' shard_map)
+  else:  # per device on its rows when the batch is split over several (the loss's shard_map)
     rows = {k: batch[k] for k in ("topk_ids", "topk_logprobs", "loss_mask", "labels")}
     value, metrics = parallel.sharded_loss(
         functools.partial(_distillation_loss, loss=loss), mesh, hidden_BxTxD, lm_head_DxV, rows)
@@ -163,7 +163,7 @@ def loss_fn(trained_params, graphdef, batch, loss: LossSettings, max_documents: 
 
 def _distillation_loss(hidden_BxTxD, lm_head_DxV, batch, loss: LossSettings, vocab_axis=None):
   """The KL objective (plus CE mix) on the lm_head, and its metrics. vocab_axis: see
-  kernels.topk_kl_loss (parallel.sharded_loss passes it)."""
+  topk_kl.topk_kl_loss (parallel.sharded_loss passes it)."""
   if loss.objective == "online":
     value, terms = full_kl.full_kl_loss(
         hidden_BxTxD, lm_head_DxV, batch["teacher_hidden"], batch["teacher_head"],
@@ -172,8 +172,8 @@ def _distillation_loss(hidden_BxTxD, lm_head_DxV, batch, loss: LossSettings, voc
         chunk_size=loss.chunk_size or None, per_position=True)
     return value, _masked_means({k: terms[k] for k in ("kl", "ce", "top1", "entropy")},
                                 batch["loss_mask"])
-  per_position = loss.position_metrics and kernels.has_position_terms(loss.impl)
-  value, aux = kernels.topk_kl_loss(
+  per_position = loss.position_metrics and topk_kl.has_position_terms(loss.impl)
+  value, aux = topk_kl.topk_kl_loss(
       hidden_BxTxD, lm_head_DxV, batch["topk_ids"], batch["topk_logprobs"],
       batch["loss_mask"], objective=loss.objective, temperature=loss.temperature,
       labels=batch["labels"], ce_weight=loss.ce_weight, impl=loss.impl,

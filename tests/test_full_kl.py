@@ -1,10 +1,10 @@
-"""The full-vocabulary KL (kdjax.kernels.full_kl) against a float64 dense computation."""
+"""The full-vocabulary KL (kdjax.loss.full_kl) against a float64 dense computation."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdjax.kernels import full_kl
+from kdjax.loss import full_kl
 
 N, D, DT, V = 23, 12, 20, 157  # N not a multiple of the chunk; V odd; teacher wider
 

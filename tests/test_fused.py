@@ -1,13 +1,13 @@
-"""impl "pallas" on its fused path (kdjax.kernels.fused: the logits matmul with exp fused, the
+"""impl "pallas" on its fused path (kdjax.loss.fused: the logits matmul with exp fused, the
 Mosaic GPU kernel run by its interpreter here) against conftest's float64 computation (that of
-test_kernels), with the top-k and label logits read back from bf16 E as the path does; chunk sizing.
+test_topk_kl), with the top-k and label logits read back from bf16 E as the path does; chunk sizing.
 """
 import jax
 import jax.numpy as jnp
 import pytest
 
-from kdjax import kernels
-from kdjax.kernels import chunked, fused, mgpu, objectives
+from kdjax.kernels import mgpu
+from kdjax.loss import chunked, fused, objectives, topk_kl
 
 
 def _spy_fused(monkeypatch):
@@ -54,7 +54,7 @@ def test_pallas_fused_path_large_logits_and_few_rows(make_inputs, numpy_loss, ru
     assert_close("loss", value, want["loss"], tol[jnp.bfloat16]["loss"])
     assert_close("dhidden", dh, want["dh"], tol[jnp.bfloat16]["grad"])
     assert_close("dlm_head", dw, want["dw"], tol[jnp.bfloat16]["grad"])
-    alone = jax.jit(lambda h, w: kernels.topk_kl_loss(
+    alone = jax.jit(lambda h, w: topk_kl.topk_kl_loss(
         h, w, inputs["topk_ids"], inputs["topk_logprobs"], inputs["mask"],
         labels=inputs["labels"], ce_weight=0.3, impl="pallas"))(inputs["hidden"],
                                                                  inputs["lm_head"])

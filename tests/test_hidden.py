@@ -9,7 +9,7 @@ from flax import nnx
 from kdjax import cache, config, teacher, train
 from kdjax.cache import layout
 from kdjax.data.packing import next_token_labels
-from kdjax.kernels import hidden
+from kdjax.loss import hidden
 from kdjax.models import llama
 
 V, T = 61, 12  # conftest's make_data

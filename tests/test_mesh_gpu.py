@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from kdjax import kernels
+from kdjax.loss import topk_kl
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="runs on GPUs only")
 
@@ -33,7 +33,7 @@ def test_fused_loss_with_vocabulary_split_over_gpus(far):
   labels = jnp.asarray(rng.integers(0, vocab, rows))
 
   def loss(h, w, axis=None):
-    return kernels.topk_kl_loss(h, w, ids, logp, mask, objective="tail", labels=labels,
+    return topk_kl.topk_kl_loss(h, w, ids, logp, mask, objective="tail", labels=labels,
                                 ce_weight=0.2, impl="pallas", chunk_size=256, return_aux=True,
                                 per_position=True, vocab_axis=axis)
 

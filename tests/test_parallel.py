@@ -43,12 +43,12 @@ VOCAB_CASES = [  # impl, dtype, vocabulary (4 shards; 300: 75 each, not a multip
 
 
 def vocab_sharded_differences() -> dict:
-  """kernels.topk_kl_loss with lm_head's vocabulary split over 4 devices (shard_map, vocab_axis)
+  """topk_kl.topk_kl_loss with lm_head's vocabulary split over 4 devices (shard_map, vocab_axis)
   against the whole vocabulary on one: loss, per-position terms, both gradients; 70 positions in
   chunks of 32, K = 10, a mask, labels. far: the first shard's logits ~200 nats above the rest,
   so the other shards' softmax terms underflow against it (the row-scale floor)."""
   from jax.sharding import Mesh, PartitionSpec as P
-  from kdjax import kernels
+  from kdjax.loss import topk_kl
   mesh = Mesh(np.asarray(jax.devices()[:4]), ("tensor",))
   out = {}
   for impl, dtype, vocab, kw in VOCAB_CASES:
@@ -65,7 +65,7 @@ def vocab_sharded_differences() -> dict:
     labels = jnp.asarray(rng.integers(0, vocab, n))
 
     def loss(h, w, axis=None):
-      return kernels.topk_kl_loss(h, w, *args, labels=labels, impl=impl, chunk_size=32,
+      return topk_kl.topk_kl_loss(h, w, *args, labels=labels, impl=impl, chunk_size=32,
                                   return_aux=True, per_position=True, vocab_axis=axis, **kw)
 
     grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(h, w)

@@ -1,17 +1,12 @@
-"""Loss kernels: the fused top-k KL distillation loss on the lm_head (its per-position terms also
-serve evaluation).
+"""Pallas kernels, each beside its plain jnp reference (tests assert kernel == reference).
 
-Shape letters: B batch, T positions, N flattened positions, C chunk of positions, D model width,
-V vocabulary, K cached top-k entries.
+  logit_passes  row passes over a chunk's float32 logits (Triton): exp_pass, dense_grad; their
+                references exp_pass_reference, dense_grad_reference. Run by kdjax.loss.chunked.
+  mgpu          the logits matmul writing exp in its epilogue (Mosaic GPU, Hopper): logits_exp;
+                reference logits_exp_reference. Run by kdjax.loss.fused.
+  grouped       the grouped matmuls of a mixture of experts (Mosaic GPU): grouped_matmul;
+                reference grouped_matmul_reference (jax.lax.ragged_dot). Run by models/moe.py.
 
-Modules, by `impl`: loss (public API, definitions, picks the impl), objectives (per-position math
-shared by the chunked impls), chunked (the scan over position chunks every chunked impl runs, and
-impl "xla"'s XLA passes), fused + mgpu (impl "pallas": the logits matmul with exp fused, a Mosaic
-GPU kernel), pallas_exact (impl "pallas_exact": Triton passes over the float32 logits), reference
-(impl "reference": dense jnp), paper (impl "paper": the paper's algorithm, a benchmark baseline);
-full_kl: the full-vocabulary KL with the teacher's logits at hand (the online reference); hidden:
-the hidden-state matching term against the teacher's cached final hidden states.
+Off GPU every kernel runs in its interpreter, so CPU tests cover the same code. Nothing here
+imports the rest of kdjax.
 """
-from kdjax.kernels.loss import IMPLS, has_position_terms, topk_kl_loss
-
-__all__ = ["IMPLS", "has_position_terms", "topk_kl_loss"]

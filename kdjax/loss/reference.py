@@ -1,19 +1,17 @@
 """Dense reference: the loss written plainly over materialised [N, V] logits, autodiff gradients.
 
 Only for tests and small shapes: it holds N * V float32 logits (and as much again for their
-gradient). Every fast impl must agree with it. Shape letters as in kdjax.kernels.
+gradient). Every fast impl must agree with it. Shape letters as in kdjax.loss.
 """
 import jax
 import jax.numpy as jnp
 
-from kdjax.kernels import objectives
+from kdjax.loss import objectives
 
 
 def topk_kl_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, mask_N, labels_N,
-                 spec: objectives.LossSpec):
-  """Returns (loss, kl_mean, ce_mean, positions), differentiable in hidden and lm_head;
-  positions: per-position kl, ce, entropy (of the student softmax at tau), top1 (the student's
-  argmax is the teacher's most probable cached id), as in kdjax.kernels.chunked.POSITION_TERMS."""
+                 spec: objectives.LossSpec) -> objectives.LossTerms:
+  """The loss with means over the masked positions and every position's terms."""
   tau = spec.temperature
   logits_NxV = jnp.einsum("nd,dv->nv", hidden_NxD, lm_head_DxV,
                           preferred_element_type=jnp.float32)
@@ -51,5 +49,6 @@ def topk_kl_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, mask_N, labels_N,
   entropy_N = -jnp.sum(jnp.exp(logq_NxV) * logq_NxV, axis=-1)
   teacher_top_N = jnp.take_along_axis(ids_NxK, jnp.argmax(logp_NxK, axis=-1)[:, None], -1)[:, 0]
   top1_N = jnp.argmax(logits_NxV, axis=-1) == teacher_top_N
-  positions = jax.lax.stop_gradient((kl_N, ce_N, entropy_N, top1_N))
-  return kl + spec.ce_weight * ce, jax.lax.stop_gradient(kl), jax.lax.stop_gradient(ce), positions
+  positions = jax.lax.stop_gradient(objectives.Positions(kl_N, ce_N, entropy_N, top1_N))
+  return objectives.LossTerms(kl + spec.ce_weight * ce, jax.lax.stop_gradient(kl),
+                              jax.lax.stop_gradient(ce), positions)

@@ -25,7 +25,7 @@ Precision: logits and everything after them are float32; the gradient matmuls ta
 once to the promoted dtype of hidden and lm_head (pass both in bf16 for speed), and the chunked
 impls accumulate dlm_head across chunks in `dw_dtype`: lm_head's dtype by default (one rounding
 per chunk, as peers do), or float32 (rounded once at the end, 4 * D * V more bytes). One
-exception, impl "pallas" on bf16 (kernels.fused): its softmax normalisers are float32, but the
+exception, impl "pallas" on bf16 (fused.py): its softmax normalisers are float32, but the
 student's logits at the top-k ids and label are read back from bf16 exp(z / tau), so each q_k
 carries up to 2^-8 relative error (the loss per position up to ~2^-8 * tau^2 nats); measured not
 to change what a student learns (BENCHMARKS.md). impl "pallas_exact" is exact there.
@@ -35,35 +35,42 @@ sized to the memory by default (chunked.default_chunk, fused.default_chunk).
 
 Shape letters: N flattened positions, D model width, V vocabulary, K cached entries.
 """
+from typing import Callable, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
-from kdjax.kernels import chunked, objectives, reference
+from kdjax.loss import chunked, fused, objectives, paper, reference
 
-IMPLS = ("auto", "reference", "xla", "pallas", "pallas_exact", "paper")
+
+class Chunked(NamedTuple):
+  """A chunked impl: its loss (chunked.build_fused_loss's contract) and what it offers."""
+  loss: Callable
+  default_chunk: Callable  # (num_rows, dim, vocab, dtype, spec) -> positions per chunk
+  position_terms: bool     # can return per-position terms (per_position=True)
+  vocab_sharded: bool      # takes a vocabulary-sharded lm_head (vocab_axis)
+
+
+CHUNKED = {
+    "xla": Chunked(chunked.xla_loss, chunked.default_chunk, True, True),
+    "pallas": Chunked(fused.topk_kl_loss, fused.default_chunk, True, True),
+    "pallas_exact": Chunked(chunked.exact_loss, chunked.default_chunk, True, True),
+    # The paper's algorithm, a benchmark baseline: no per-position outputs, a whole lm_head.
+    "paper": Chunked(paper.topk_kl_loss, paper.default_chunk, False, False),
+}
+# "reference" is dense (reference.py); "auto" is "pallas" on a GPU, else "xla".
+IMPLS = ("auto", "reference") + tuple(CHUNKED)
 
 
 def has_position_terms(impl: str) -> bool:
-  """Whether `impl` can return per-position terms (per_position=True): all but the paper's
-  algorithm, a benchmark baseline, which has none."""
-  return impl != "paper"
+  """Whether `impl` can return per-position terms (per_position=True)."""
+  return impl not in CHUNKED or CHUNKED[impl].position_terms
 
 
-def _fused_impl(impl: str):
+def _chunked_impl(impl: str) -> Chunked:
   if impl == "auto":
     impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-  if impl == "xla":
-    return chunked.topk_kl_loss, chunked.default_chunk
-  if impl == "pallas":
-    from kdjax.kernels import fused
-    return fused.topk_kl_loss, fused.default_chunk
-  if impl == "pallas_exact":
-    from kdjax.kernels import pallas_exact
-    return pallas_exact.topk_kl_loss, pallas_exact.default_chunk
-  if impl == "paper":
-    from kdjax.kernels import paper
-    return paper.topk_kl_loss, paper.default_chunk
-  raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+  return CHUNKED[impl]
 
 
 def _check(hidden, lm_head, topk_ids, topk_logprobs, mask, labels):
@@ -145,11 +152,12 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
     raise ValueError(f"ce_weight={ce_weight} needs labels")
   _check_chunk(chunk_size)
   if per_position and (not return_aux or not has_position_terms(impl)):
-    raise ValueError("per_position needs return_aux=True and an impl other than 'paper' (the "
-                     "paper's algorithm has no per-position outputs)")
-  if vocab_axis is not None and impl in ("reference", "paper"):
+    raise ValueError("per_position needs return_aux=True and an impl with per-position outputs: "
+                     f"{[i for i in IMPLS if has_position_terms(i)]}")
+  sharded = ["auto"] + [i for i, c in CHUNKED.items() if c.vocab_sharded]
+  if vocab_axis is not None and impl not in sharded:
     raise ValueError(f"impl {impl!r} takes a whole lm_head; a vocabulary-sharded one "
-                     "(vocab_axis) needs impl 'auto', 'xla', 'pallas' or 'pallas_exact'")
+                     f"(vocab_axis) needs one of {sharded}")
   if dw_dtype is not None:
     dw_dtype = jnp.dtype(dw_dtype)
     if not jnp.issubdtype(dw_dtype, jnp.floating):
@@ -165,28 +173,22 @@ def topk_kl_loss(hidden, lm_head, topk_ids, topk_logprobs, mask, *, objective="s
   spec = objectives.LossSpec(objective, temperature, ce_weight, labels is not None)
   labels_N = (jnp.zeros((num_rows,), jnp.int32) if labels is None
               else labels.reshape(num_rows).astype(jnp.int32))
-  zero = jnp.zeros((), jnp.float32)
-  positions = ()
   if num_rows == 0:
-    loss, kl, ce = zero, zero, zero
-    positions = chunked.zero_positions(0)
+    zero = jnp.zeros((), jnp.float32)
+    out = objectives.LossTerms(zero, zero, zero, objectives.zero_positions(0))
   elif impl == "reference":
-    loss, kl, ce, positions = reference.topk_kl_loss(hidden_NxD, lm_head, ids_NxK, logp_NxK,
-                                                     mask_N, labels_N, spec)
+    out = reference.topk_kl_loss(hidden_NxD, lm_head, ids_NxK, logp_NxK, mask_N, labels_N, spec)
   else:
-    fused, default_chunk = _fused_impl(impl)
+    chosen = _chunked_impl(impl)
     dtype = jnp.promote_types(hidden.dtype, lm_head.dtype)
-    chunk = min(chunk_size or default_chunk(num_rows, dim, vocab, dtype, spec), num_rows)
+    chunk = min(chunk_size or chosen.default_chunk(num_rows, dim, vocab, dtype, spec), num_rows)
     w_N = mask_N.astype(jnp.float32) / jnp.maximum(jnp.sum(mask_N), 1).astype(jnp.float32)
-    args = (hidden_NxD, lm_head, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype)
-    if impl == "paper":
-      loss, kl, ce = fused(*args)
-    else:
-      loss, kl, ce, positions = fused(*args, per_position, vocab_axis)
+    out = chosen.loss(hidden_NxD, lm_head, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
+                      dw_dtype, per_position, vocab_axis)
   if not return_aux:
-    return loss
-  aux = {"kl": jax.lax.stop_gradient(kl), "ce": jax.lax.stop_gradient(ce)}
+    return out.loss
+  aux = {"kl": jax.lax.stop_gradient(out.kl), "ce": jax.lax.stop_gradient(out.ce)}
   if per_position:
     aux["positions"] = {name: x_N.reshape(hidden.shape[:-1])
-                        for name, x_N in zip(chunked.POSITION_TERMS, positions)}
-  return loss, aux
+                        for name, x_N in out.positions._asdict().items()}
+  return out.loss, aux

@@ -1,6 +1,6 @@
 """Full-vocabulary KL(teacher || student), chunked over positions: the online reference.
 
-The cached objectives (kdjax.kernels.loss) see only the teacher's top K entries per position. This
+The cached objectives (kdjax.loss.topk_kl) see only the teacher's top K entries per position. This
 is the quantity they approximate, computed with the teacher's logits at hand (the teacher in the
 step, the paper's "online" method, or held-out evaluation against a teacher run online):
 

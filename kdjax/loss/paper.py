@@ -4,14 +4,16 @@ A baseline for benchmarks, faithful to its algorithm: chunks of 4096 positions; 
 projects every chunk twice (pass 1: the log-normaliser; pass 2: the sparse terms) and saves
 hidden, W and the per-position normalisers; backward projects each chunk a third time and runs
 the two gradient matmuls: five [C, D] x [D, V] matmuls per chunk against the floor of three.
-Objectives, temperature and CE use the same per-position math as every other impl.
+Objectives, temperature and CE use the same per-position math as every other impl. It has no
+per-position terms and takes a whole lm_head (its entry in topk_kl's table says so).
 """
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from kdjax.kernels import chunked, objectives
+from kdjax.kernels import logit_passes
+from kdjax.loss import chunked, objectives
 
 CHUNK = 4096
 
@@ -36,9 +38,9 @@ def _normalisers(hidden_NxD, lm_head_DxV, spec, chunk):
   def body(lse, i):
     start = jnp.minimum(i * chunk, num_rows - chunk)
     h_CxD = jax.lax.dynamic_slice_in_dim(hidden_NxD, start, chunk)
-    _, sums, shift_C, _ = chunked.xla_exp_pass(_logits(h_CxD, lm_head_DxV), None,
-                                           chunked.softmax_scales(spec), None)
-    lse_s_C, lse_z_C = chunked.normalisers(sums, shift_C, spec)
+    out = logit_passes.exp_pass_reference(_logits(h_CxD, lm_head_DxV), None,
+                                          chunked.softmax_scales(spec), None)
+    lse_s_C, lse_z_C = chunked.normalisers(out.sums, out.shift_C, spec)
     put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=0)
     return (put(lse[0], lse_s_C), put(lse[1], lse_z_C)), None
 
@@ -64,27 +66,30 @@ def _sums(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, lse, spec, 
   return _scan_chunks(body, (zero, zero), num_rows, chunk)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
 def topk_kl_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
-                 dw_dtype):
-  lse = _normalisers(hidden_NxD, lm_head_DxV, spec, chunk)
-  kl, ce = _sums(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, lse, spec, chunk)
-  return kl + spec.ce_weight * ce, kl, ce
+                 dw_dtype, per_position, axis) -> objectives.LossTerms:
+  """chunked.build_fused_loss's contract, with no per-position terms (positions None) and a
+  whole lm_head (axis None)."""
+  return _fwd(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype,
+              per_position, axis)[0]
 
 
-def _fwd(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype):
+def _fwd(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype,
+         per_position, axis):
+  del per_position, axis  # off: topk_kl's table lists neither for impl "paper"
   lse = _normalisers(hidden_NxD, lm_head_DxV, spec, chunk)
   kl, ce = _sums(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, lse, spec, chunk)
   residuals = (hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, lse)
-  return (kl + spec.ce_weight * ce, kl, ce), residuals
+  return objectives.LossTerms(kl + spec.ce_weight * ce, kl, ce, None), residuals
 
 
-def _bwd(spec, chunk, dw_dtype, residuals, cotangents):
+def _bwd(spec, chunk, dw_dtype, per_position, axis, residuals, cotangents):
   hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, lse = residuals
   num_rows = hidden_NxD.shape[0]
   dtype = jnp.promote_types(hidden_NxD.dtype, lm_head_DxV.dtype)
   take = lambda x, start: jax.lax.dynamic_slice_in_dim(x, start, chunk, axis=0)
-  g_w_N = w_N * cotangents[0]
+  g_w_N = w_N * cotangents.loss
 
   def body(carry, i):
     dh_NxD, dw_DxV = carry
@@ -96,8 +101,10 @@ def _bwd(spec, chunk, dw_dtype, residuals, cotangents):
     zk_CxK, zl_C = chunked.gather_rows(logits_CxV, ids_CxK, labels_C)
     terms = objectives.row_terms(zk_CxK, zl_C, lse_s_C, lse_z_C, take(logp_NxK, start), spec)
     w_C = jnp.where(fresh_C, take(g_w_N, start), 0.0)
-    dz_CxV, _ = chunked.chunk_dlogits(logits_CxV, None, None, (zk_CxK, zl_C, lse_s_C, lse_z_C),
-                                  terms, ids_CxK, labels_C, w_C, spec, dtype, chunked.xla_dense_grad)
+    chunk_C = chunked.ChunkTerms(logits_CxV, None, None,
+                                 chunked.Gathered(zk_CxK, zl_C, lse_s_C, lse_z_C), terms)
+    dz_CxV, _ = chunked.chunk_dlogits(chunk_C, ids_CxK, labels_C, w_C, spec, dtype,
+                                      logit_passes.dense_grad_reference)
     dh_CxD = jnp.einsum("cv,dv->cd", dz_CxV, lm_head_DxV.astype(dtype),
                         preferred_element_type=jnp.float32).astype(dh_NxD.dtype)
     dh_CxD = jnp.where(fresh_C[:, None], dh_CxD, take(dh_NxD, start))

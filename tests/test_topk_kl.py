@@ -1,4 +1,5 @@
-"""kdjax.kernels against a float64 numpy computation of every objective, values and gradients.
+"""kdjax.loss.topk_kl_loss, every impl, against a float64 numpy computation of every objective,
+values and gradients.
 
 Fresh random inputs every test, from its seed (conftest: a failure names the session seed that
 replays it). The reference (make_inputs, numpy_loss, run_loss, tolerances) lives in conftest, shared
@@ -9,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdjax import kernels
-from kdjax.kernels import chunked, objectives, pallas_exact
+from kdjax.kernels import logit_passes
+from kdjax.loss import chunked, objectives, topk_kl
 
 IMPLS = ["reference", "xla", "paper", "pallas"]
 CHUNKED = ["xla", "paper", "pallas"]
@@ -54,7 +55,7 @@ def test_without_labels_and_default_chunk(impl, make_inputs, numpy_loss, run_los
   assert_close("loss", value, want["loss"], tol[jnp.float32]["loss"])
   assert float(aux["ce"]) == 0.0
   # The primal alone (no differentiation) takes another code path in the chunked impls.
-  alone = jax.jit(lambda h, w: kernels.topk_kl_loss(
+  alone = jax.jit(lambda h, w: topk_kl.topk_kl_loss(
       h, w, inputs["topk_ids"], inputs["topk_logprobs"], inputs["mask"], temperature=2.5,
       impl=impl))(inputs["hidden"], inputs["lm_head"])
   assert_close("loss alone", alone, want["loss"], tol[jnp.float32]["loss"])
@@ -64,7 +65,7 @@ def test_without_labels_and_default_chunk(impl, make_inputs, numpy_loss, run_los
 
 def test_pallas_several_vocabulary_tiles(monkeypatch, make_inputs, numpy_loss, run_loss,
                                          assert_close, tol):
-  monkeypatch.setattr(pallas_exact, "BLOCK", 128)  # V = 333: two full tiles and a partial one
+  monkeypatch.setattr(logit_passes, "BLOCK", 128)  # V = 333: two full tiles and a partial one
   inputs = make_inputs((2, 11), 16, 333, 6, jnp.float32)
   want = numpy_loss(inputs, "tail", 0.7, 0.5)
   value, _, (dh, dw) = run_loss(inputs, 1.0, objective="tail", temperature=0.7, ce_weight=0.5,
@@ -95,7 +96,8 @@ def test_pallas_row_maximum_far_above_topk(monkeypatch, objective, make_inputs, 
   assert_close("loss", value, want["loss"], tol[jnp.float32]["loss"])
   assert_close("dhidden", dh, want["dh"], tol[jnp.float32]["grad"])
   assert_close("dlm_head", dw, want["dw"], tol[jnp.float32]["grad"])
-  monkeypatch.setattr(chunked, "SHIFT_LIMIT", float("inf"))  # the test does exercise that branch
+  # The test does exercise that branch:
+  monkeypatch.setattr(logit_passes, "SHIFT_LIMIT", float("inf"))
   value, _, _ = run_loss(inputs, 1.0, objective=objective, ce_weight=0.5, impl="pallas",
                          chunk_size=8)
   assert not np.isfinite(float(value))
@@ -148,7 +150,7 @@ def test_per_position_needs_aux_and_a_chunked_or_reference_impl(make_inputs):
           inputs["mask"])
   for kw in (dict(per_position=True), dict(per_position=True, return_aux=True, impl="paper")):
     with pytest.raises(ValueError, match="per_position"):
-      kernels.topk_kl_loss(*args, **kw)
+      topk_kl.topk_kl_loss(*args, **kw)
 
 
 @pytest.mark.parametrize("impl", CHUNKED)
@@ -187,7 +189,7 @@ def test_all_masked_is_zero(impl, make_inputs, run_loss):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_no_gradient_to_cache(impl, make_inputs):
   inputs = make_inputs((7,), 8, 130, 4, jnp.float32)
-  g = jax.jit(jax.grad(lambda lp: kernels.topk_kl_loss(
+  g = jax.jit(jax.grad(lambda lp: topk_kl.topk_kl_loss(
       inputs["hidden"], inputs["lm_head"], inputs["topk_ids"], lp, inputs["mask"],
       objective="tail", impl=impl, chunk_size=4)))(inputs["topk_logprobs"])
   assert not np.any(np.asarray(g))
@@ -197,7 +199,7 @@ def test_no_gradient_to_cache(impl, make_inputs):
 def test_proper_divergences_are_nonnegative(objective, make_inputs):
   inputs = make_inputs((64,), 8, 150, 10, jnp.float32, masked_frac=0.0)
   for tau in (0.5, 1.0, 3.0):
-    kl = jax.jit(lambda h, w: kernels.topk_kl_loss(
+    kl = jax.jit(lambda h, w: topk_kl.topk_kl_loss(
         h, w, inputs["topk_ids"], inputs["topk_logprobs"], inputs["mask"], objective=objective,
         temperature=tau, impl="reference"))(inputs["hidden"], inputs["lm_head"])
     assert float(kl) >= 0.0
@@ -229,19 +231,19 @@ def test_input_validation(make_inputs):
   ]
   for kw, word in bad:
     with pytest.raises(ValueError, match=word):
-      kernels.topk_kl_loss(*args, **kw)
+      topk_kl.topk_kl_loss(*args, **kw)
   with pytest.raises(ValueError, match="lm_head"):
-    kernels.topk_kl_loss(inputs["hidden"], inputs["lm_head"][:5], *args[2:])
+    topk_kl.topk_kl_loss(inputs["hidden"], inputs["lm_head"][:5], *args[2:])
   with pytest.raises(ValueError, match="topk_logprobs"):
-    kernels.topk_kl_loss(*args[:3], inputs["topk_logprobs"][:, :2], inputs["mask"])
+    topk_kl.topk_kl_loss(*args[:3], inputs["topk_logprobs"][:, :2], inputs["mask"])
   with pytest.raises(ValueError, match="mask"):
-    kernels.topk_kl_loss(*args[:4], inputs["mask"][:2])
+    topk_kl.topk_kl_loss(*args[:4], inputs["mask"][:2])
 
 
 def test_empty_batch():
   """No positions: loss 0 and empty per-position terms, not an error."""
   hidden, lm_head = jnp.zeros((0, 8)), jnp.zeros((8, 130))
   ids, logp = jnp.zeros((0, 3), jnp.int32), jnp.zeros((0, 3))
-  loss, aux = kernels.topk_kl_loss(hidden, lm_head, ids, logp, None, return_aux=True,
+  loss, aux = topk_kl.topk_kl_loss(hidden, lm_head, ids, logp, None, return_aux=True,
                                    per_position=True)
   assert float(loss) == 0.0 and aux["positions"]["top1"].shape == (0,)

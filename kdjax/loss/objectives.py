@@ -8,10 +8,13 @@ dL/dz, which is always
     dL/dz = a * softmax(z / tau) + b * softmax(z) + (sparse entries at the top-k ids and label)
 
 so a kernel needs one dense elementwise pass over [C, V] plus K + 1 scattered entries per row.
+Also the types every impl shares: LossSpec (the loss's static description), LossTerms (what an
+impl returns) and Positions (its per-position terms).
 
 Shape letters: N positions (rows of a chunk), K cached entries, V vocabulary.
 """
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +38,29 @@ class LossSpec:
   def two_softmax(self) -> bool:
     """Whether softmax(z) differs from softmax(z / tau) and is needed (CE at tau != 1)."""
     return self.has_labels and self.temperature != 1.0
+
+
+class Positions(NamedTuple):
+  """The per-position terms every impl but "paper" can hand out, each [N] (no gradient)."""
+  kl: jax.Array       # the KL term (times tau^2)
+  ce: jax.Array       # cross-entropy of the label at tau = 1
+  entropy: jax.Array  # of the student softmax at tau, nats
+  top1: jax.Array     # bool: the student's argmax is the teacher's most probable cached id
+
+
+class LossTerms(NamedTuple):
+  """What an impl returns over N flattened positions: loss = kl + ce_weight * ce, differentiable
+  in hidden and lm_head, and the weighted means kl, ce (logged, their cotangents ignored)."""
+  loss: jax.Array
+  kl: jax.Array
+  ce: jax.Array
+  positions: Positions | None  # None unless per_position
+
+
+def zero_positions(num_rows: int) -> Positions:
+  """The per-position terms of num_rows positions, zeroed (top1 False)."""
+  return Positions(*(jnp.zeros((num_rows,), bool if name == "top1" else jnp.float32)
+                     for name in Positions._fields))
 
 
 def tempered_teacher(logp_NxK: jax.Array, temperature: float) -> jax.Array:

@@ -1,12 +1,12 @@
 """impl="pallas": the chunked fused loss with the logits matmul and exp fused into one kernel.
 
-Per chunk of C positions (the driver is kdjax.kernels.chunked.chunked_loss, gradients computed in
+Per chunk of C positions (the driver is kdjax.loss.chunked.chunked_loss, gradients computed in
 the forward pass) three [C, D] x [D, V] matmuls run, the work floor: the logits, then dh and dW
 from dL/dz = r * E (+ K exact entries), r a per-row scale the two gradient matmuls (cuBLAS)
-absorb. Here the first is mgpu.logits_exp, a Mosaic GPU (Hopper) matmul that writes
+absorb. Here the first is kdjax.kernels.mgpu.logits_exp, a Mosaic GPU (Hopper) matmul that writes
 E = exp(z / tau) in bf16 and per-tile row sums straight from its float32 accumulator: the [C, V]
 float32 logits never exist, the working set is E alone (2 bytes per [C, V] element, against 6
-on the two-kernel path, kdjax.kernels.pallas_exact), so chunks are 3x larger in the same memory
+on the two-kernel path of impl "pallas_exact"), so chunks are 3x larger in the same memory
 (fewer dW read-modify-writes), and no pass over the logits is left.
 
 The price: the top-k and label logits are read back from E (fused_project), with up to 2^-8
@@ -28,7 +28,8 @@ step.
 import jax
 import jax.numpy as jnp
 
-from kdjax.kernels import chunked, mgpu, objectives, pallas_exact
+from kdjax.kernels import logit_passes, mgpu
+from kdjax.loss import chunked, objectives
 
 # The fused path (see fused_project) shifts a chunk's rows by 0 and repeats the chunk with each
 # row shifted by its maximum when some row's max z / tau lies outside [SAFE_LOW, SAFE_HIGH]: then
@@ -67,7 +68,8 @@ def default_chunk(num_rows: int, dim: int, vocab: int, dtype, spec=None) -> int:
   return chunked.default_chunk(num_rows, dim, vocab, dtype)
 
 
-def fused_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats=False):
+def fused_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype,
+                  stats=False) -> chunked.Projection:
   """chunked.logits_project's contract from one kernel: the logits matmul writes E = exp(z / tau)
   in bf16 and per-tile row sums and maxima (mgpu.logits_exp); no [C, V] float32 array exists.
 
@@ -105,8 +107,9 @@ def fused_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats
   z_CxJ = exact_logits_where((e_CxJ < tiny) & in_shard_CxJ, z_CxJ, hidden_CxD, lm_head_DxV,
                              ids_CxJ)
   # Per-position statistics: a read-back logit lies within tau * 2^-8 of its exact value.
-  extra = (tau * top_C, xex_C[0], tau * 2.0 ** -8) if stats else None
-  return None, e_CxV, (sum_C,), tau * shift_C, z_CxJ[:, :-1], z_CxJ[:, -1], extra
+  row_stats = chunked.Stats(tau * top_C, xex_C[0], tau * 2.0 ** -8) if stats else None
+  return chunked.Projection(None, e_CxV, (sum_C,), tau * shift_C, z_CxJ[:, :-1], z_CxJ[:, -1],
+                            row_stats)
 
 
 def exact_logits_where(todo_CxJ, z_CxJ, hidden_CxD, lm_head_DxV, ids_CxJ):
@@ -131,23 +134,20 @@ def exact_logits_where(todo_CxJ, z_CxJ, hidden_CxD, lm_head_DxV, ids_CxJ):
   return jax.lax.while_loop(lambda carry: jnp.any(carry[1]), step, (z_CxJ, todo_CxJ))[0]
 
 
-exact_project = chunked.logits_project(pallas_exact.exp_pass)
-
-
 def project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats=False):
-  """fused_project where it `applies` and the chunk tiles, else exact_project."""
+  """fused_project where it `applies` and the chunk tiles, else impl "pallas_exact"'s."""
   (rows, dim), vocab = hidden_CxD.shape, lm_head_DxV.shape[1]
   matmul_dtype = jnp.promote_types(hidden_CxD.dtype, lm_head_DxV.dtype)
   if applies(spec, matmul_dtype, dim, vocab) and rows % row_multiple() == 0:
     return fused_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats)
-  return exact_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats)
+  return chunked.exact_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats)
 
 
-_loss = chunked.build_fused_loss(project, pallas_exact.dense_grad)
+_loss = chunked.build_fused_loss(project, logit_passes.dense_grad)
 
 
 def topk_kl_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk,
-                 dw_dtype, per_position=False, axis=None):
+                 dw_dtype, per_position=False, axis=None) -> objectives.LossTerms:
   """The chunked loss (chunked.build_fused_loss's contract) on the fused path where it applies: the
   chunk is rounded down to a multiple of row_multiple() and fewer rows are padded to one (padded
   rows weigh 0; the padding's own gradient drops them)."""
@@ -161,6 +161,6 @@ def topk_kl_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec
       hidden_NxD, ids_NxK, logp_NxK, w_N, labels_N = (
           padded(x) for x in (hidden_NxD, ids_NxK, logp_NxK, w_N, labels_N))
     chunk = max(mult, min(chunk, num_rows + pad) // mult * mult)
-  loss, kl, ce, positions = _loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N,
-                                  spec, chunk, dw_dtype, per_position, axis)
-  return loss, kl, ce, tuple(x_N[:num_rows] for x_N in positions)
+  out = _loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec, chunk, dw_dtype,
+              per_position, axis)
+  return out._replace(positions=jax.tree.map(lambda x_N: x_N[:num_rows], out.positions))

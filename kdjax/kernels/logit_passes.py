@@ -1,47 +1,57 @@
-"""impl="pallas_exact": the chunked fused loss with Pallas (Triton) kernels for the passes over
-the float32 logits; also the fallback of impl "pallas" (kdjax.kernels.fused) where its kernel does
-not apply.
-
-Per chunk of C positions (the driver is kdjax.kernels.chunked.chunked_loss, gradients computed in
-the forward pass): the three [C, D] x [D, V] matmuls stay with XLA (cuBLAS); the passes over the
-[C, V] float32 logits are these kernels:
+"""Row passes over a chunk's float32 logits z [C, V]: Pallas (Triton) kernels, each beside its
+plain jnp reference. The chunked loss (kdjax.loss.chunked) runs one or the other: impl "xla" the
+references, impl "pallas_exact" (and impl "pallas" where its fused kernel does not apply) the
+kernels; the matmuls around them stay with XLA (cuBLAS).
 
   exp_pass    one read of z per row: the row sums of exp((z - shift) * scale) for the softmax
               normalisers, and E = exp((z / tau - shift / tau)) rounded once to the matmul
               dtype, for a shift given per row (the largest top-k / label logit). A row whose
-              maximum lies more than chunked.SHIFT_LIMIT above its shift is swept again with its
-              own maximum, inside the same program.
+              maximum lies more than SHIFT_LIMIT above its shift is swept again with its own
+              maximum, inside the same program.
   dense_grad  only for CE at tau != 1 (two softmaxes in dL/dz): one read of z, one write of
               a * softmax(z / tau) + b * softmax(z), in float32 rounded once to the matmul dtype.
 
-The top-k and label logits are gathered from z (exact to float32); the K (+1) exact entries of
-dL/dz there are then scattered in place (XLA), so the working set is z (4 bytes) + E (2 bytes)
-per [C, V] element and nothing [N, V] exists.
+References: `exp_pass_reference` (shifts every row by its exact maximum, reading z twice) and
+`dense_grad_reference`, in XLA. With the kernels the working set is z (4 bytes) + E (2 bytes)
+per [C, V] element, and nothing [N, V] exists.
 
 Backend: the Triton lowering (compiler_params=triton.CompilerParams). These are row-wise, memory
 bound passes with a masked tail tile (V need not be a multiple of the tile: 201088 = 2^7 * 1571),
 which Triton's masked vector loads express directly; Mosaic GPU is built around warpgroup tiles
-and TMA copies, which buy nothing for a streaming pass (it does for the fused matmul). Both
-kernels sit behind `exp_pass` / `dense_grad`, so the backend can change without touching the
-driver. Off GPU they run in interpret mode, so CPU tests cover the same code.
+and TMA copies, which buy nothing for a streaming pass (it does for the fused matmul, mgpu.py).
+Both kernels sit behind `exp_pass` / `dense_grad`, so the backend can change without touching
+the driver. Off GPU they run in interpret mode, so CPU tests cover the same code.
 
-Where its time goes, against the matmuls and peers: BENCHMARKS.md, loss head section.
+Where their time goes, against the matmuls and peers: BENCHMARKS.md, loss head section.
 
 Shape letters: C chunk of positions, V vocabulary.
 """
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kdjax.kernels import chunked
+# The most a row's maximum may exceed its shift, in units of z / tau: keeps E <= e^SHIFT_LIMIT
+# and the sums within [1, V e^SHIFT_LIMIT] (kdjax.loss.chunked's module docstring).
+SHIFT_LIMIT = 16.0
 
 # Elements of a row per loop step, and warps per row program: 4096 f32 = 16 per thread with
 # 8 warps, i.e. four 16-byte loads in flight per thread.
 BLOCK = 4096
 NUM_WARPS = 8
+
+
+class ExpPass(NamedTuple):
+  """What an exp pass returns."""
+  e_CxV: jax.Array | None   # exp((z - shift) * scales[0]) in dtype; None when dtype is None
+  sums: tuple               # per scale, [C]: sum_V exp((z - shift) * scale)
+  shift_C: jax.Array
+  top_C: jax.Array | None   # with stats: the row maximum of z
+  xex_C: jax.Array | None   # with stats: sum_V exp(x) * x, x = (z - shift) * scales[0]
+
 
 def _interpret() -> bool:
   return jax.default_backend() != "gpu"
@@ -104,14 +114,15 @@ def _exp_kernel(z_ref, hint_ref, *refs, scales, block, write, stats):
   if stats:
     top_ref[...] = top
 
-  @pl.when((top - hint) * max(scales) > chunked.SHIFT_LIMIT)
+  @pl.when((top - hint) * max(scales) > SHIFT_LIMIT)
   def _():  # rare: the row's maximum is far above every top-k logit; shift by the maximum
     finish(top, sweep(top)[1])
 
 
-def exp_pass(logits_CxV, hint_C, scales, dtype, stats=False):
-  """(E = exp((z - shift) * scales[0]) in dtype or None, sums per scale, shift, stats): see
-  kdjax.kernels.chunked. One read of z per row, two for rows beyond chunked.SHIFT_LIMIT."""
+def exp_pass(logits_CxV, hint_C, scales, dtype, stats=False) -> ExpPass:
+  """E = exp((z - shift) * scales[0]) in dtype (None if dtype is None), the sums per scale, the
+  shift (hint_C, or the row maximum beyond SHIFT_LIMIT) and with stats the row statistics. One
+  read of z per row, two for rows beyond SHIFT_LIMIT."""
   rows, vocab = logits_CxV.shape
   block = min(BLOCK, pl.next_power_of_2(vocab))
   scalar = jax.ShapeDtypeStruct((), jnp.float32)
@@ -123,9 +134,23 @@ def exp_pass(logits_CxV, hint_C, scales, dtype, stats=False):
   out = jax.vmap(call)(logits_CxV.astype(jnp.float32), hint_C.astype(jnp.float32))
   e_CxV = out[0] if dtype is not None else None
   out = out[int(dtype is not None):]
-  extra = tuple(out[-2:]) if stats else None
+  top_C, xex_C = tuple(out[-2:]) if stats else (None, None)
   out = out[:-2] if stats else out
-  return e_CxV, tuple(out[:-1]), out[-1], extra
+  return ExpPass(e_CxV, tuple(out[:-1]), out[-1], top_C, xex_C)
+
+
+def exp_pass_reference(logits_CxV, hint_C, scales, dtype, stats=False) -> ExpPass:
+  """exp_pass in plain XLA, shifting every row by its exact maximum (z is read twice)."""
+  del hint_C
+  shift_C = jnp.max(logits_CxV, axis=-1)
+  x_CxV = logits_CxV - shift_C[:, None]
+  sums = tuple(jnp.sum(jnp.exp(x_CxV * s), axis=-1) for s in scales)
+  e_CxV = None if dtype is None else jnp.exp(x_CxV * scales[0]).astype(dtype)
+  top_C = xex_C = None
+  if stats:
+    x0_CxV = x_CxV * scales[0]
+    top_C, xex_C = shift_C, jnp.sum(jnp.exp(x0_CxV) * x0_CxV, axis=-1)
+  return ExpPass(e_CxV, sums, shift_C, top_C, xex_C)
 
 
 def _dense_kernel(z_ref, *refs, scales, block):
@@ -157,5 +182,11 @@ def dense_grad(logits_CxV, lse_s_C, lse_z_C, a_C, b_C, spec, dtype):
   return jax.vmap(call)(logits_CxV, *(x.astype(jnp.float32) for x in args))
 
 
-default_chunk = chunked.default_chunk
-topk_kl_loss = chunked.build_fused_loss(chunked.logits_project(exp_pass), dense_grad)
+def dense_grad_reference(logits_CxV, lse_s_C, lse_z_C, a_C, b_C, spec, dtype):
+  """dense_grad in plain XLA: computed in float32 and rounded once to dtype."""
+  if not spec.two_softmax:
+    a_C = a_C + b_C
+  dz_CxV = a_C[:, None] * jnp.exp(logits_CxV / spec.temperature - lse_s_C[:, None])
+  if spec.two_softmax and spec.ce_weight != 0.0:
+    dz_CxV = dz_CxV + b_C[:, None] * jnp.exp(logits_CxV - lse_z_C[:, None])
+  return dz_CxV.astype(dtype)
