@@ -190,7 +190,7 @@ def run_student(args) -> dict:
     state, grads_sum = parallel.place_state(mesh, (state, grads_sum))
   t0 = time.perf_counter()
   graphdef, model_cfg = train.resolve_remat(graphdef, model_cfg, state, grads_sum, store, c.opt,
-                                            loss, False, None, mesh)
+                                            loss, False, mesh=mesh)
   print(f"remat {model_cfg.remat} (chosen in {time.perf_counter() - t0:.1f} s)", flush=True)
   loader = cache.Loader(store, rows, seed=0)
   plan = {}

@@ -31,7 +31,7 @@ def stage_data(c, paths: Paths):
 
 
 def _fit(models: build.Models, name, group, opt, open_store, *, hard_labels, loss, mesh_cfg,
-         teacher=None):
+         targets=None):
   """Trains the model of `group` on open_store(model_cfg); a finished run is restored instead."""
   shapes = models.shapes(group)
   store = open_store(shapes)  # refuses a mismatch, finished or not
@@ -44,7 +44,7 @@ def _fit(models: build.Models, name, group, opt, open_store, *, hard_labels, los
   model, cfg = models.start(group, mesh, resuming=checkpoints.has_checkpoint(workdir))
   model = train.fit(name=name, model=model, model_cfg=cfg, store=store, workdir=workdir,
                     opt=opt, loss_cfg=loss, hard_labels=hard_labels, seed=models.seed,
-                    teacher=teacher, mesh=mesh)
+                    targets=targets, mesh=mesh)
   return model, cfg
 
 
@@ -110,10 +110,10 @@ def _holds_top_k(path: str, k: int, teacher_hash: str, hidden_dim: int) -> bool:
 
 def stage_train(c, paths: Paths):
   models = build.Models.from_config(c, paths)
-  teacher_model = None
-  if c.loss.objective == "online":  # the teacher in the step, on the tokenised data
+  targets = None
+  if c.loss.objective == "online":  # the teacher beside the step, on the tokenised data
     open_store = _open_data(paths.data("train"), c.data.seq_len)
-    teacher_model = models.teacher_model()
+    targets = teacher.OnlineTargets(models.teacher_model())
   else:
     # Refuses a cache of another vocabulary, k, length or tokenizer than the student expects.
     tok_hash = tokenizer.tokenizer_hash(paths.student_tokenizer())
@@ -121,7 +121,7 @@ def stage_train(c, paths: Paths):
         paths.cache("train"), vocab_size=cfg.output_vocab_size, k=c.cache.k,
         seq_len=c.data.seq_len, tokenizer_hash=tok_hash, hidden=c.loss.hidden_weight > 0)
   return _fit(models, "student", c.student, c.opt, open_store, hard_labels=False, loss=c.loss,
-              mesh_cfg=c.mesh, teacher=teacher_model)
+              mesh_cfg=c.mesh, targets=targets)
 
 
 def stage_baseline(c, paths: Paths):

@@ -1,4 +1,5 @@
-"""Runs the teacher over a tokenised data store and writes its top-k log-probs to a cache.
+"""Runs the teacher over a tokenised data store and writes its top-k log-probs to a cache; or,
+with objective "online", beside training on each micro-batch (OnlineTargets).
 
 Shape letters: B batch, T positions, D model width, V vocabulary, K top-k, C chunk of positions,
 H width of the cached hidden states.
@@ -115,6 +116,32 @@ def _teacher_step(graphdef, state, projection_DxH, tokens_BxT, positions_BxT, se
     hidden_BxTxD = jnp.einsum("btd,dh->bth", hidden_BxTxD, projection_DxH.astype(
         hidden_BxTxD.dtype), preferred_element_type=jnp.float32)
   return ids_BxTxK, logprobs_BxTxK, jnp.where(pad_BxTx1, 0, hidden_BxTxD).astype(jnp.bfloat16)
+
+
+class OnlineTargets:
+  """The targets of objective "online": each micro-batch gets the teacher's final hidden states
+  (its own jitted forward, run just before the student's grad_step, so the step never holds the
+  teacher's activations with its own) and its lm_head [D, V] in the compute dtype, which the
+  loss (kdjax.distillation) projects to the full-vocabulary log-probs chunk by chunk."""
+
+  def __init__(self, model):
+    self.graphdef, self.params = nnx.split(model)
+    # Computed once, outside any program: the teacher is frozen, and an untied head already in
+    # the compute dtype is then its parameter itself (a program's output would be a copy).
+    self.head_DxV = model.lm_head_DxV()
+
+  def __call__(self, micro_BxT: dict, max_documents: int) -> dict:
+    """micro_BxT with teacher_hidden [B, T, D] and teacher_head [D, V] added."""
+    hidden_BxTxD = _hidden_states(self.graphdef, self.params, micro_BxT["tokens"],
+                                  micro_BxT["positions"], micro_BxT["segment_ids"],
+                                  max_documents=max_documents)
+    return {**micro_BxT, "teacher_hidden": hidden_BxTxD,
+            "teacher_head": self.head_DxV.astype(hidden_BxTxD.dtype)}  # usually already is
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_documents"))
+def _hidden_states(graphdef, state, tokens_BxT, positions_BxT, segment_ids_BxT, *, max_documents):
+  return nnx.merge(graphdef, state)(tokens_BxT, positions_BxT, segment_ids_BxT, max_documents)
 
 
 def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, vocab_size, attrs,

@@ -1,16 +1,16 @@
 """Training a model against a sequence store: one jitted step, AdamW, orbax checkpoints, exact resume.
 
 Distillation reads a teacher cache (top-k ids and log-probs per position), or, with objective
-"online" (the reference the cached objectives approximate), runs the teacher in the step on a
-plain data store and takes the full-vocabulary KL (kdjax.loss.full_kl). Hard-label training
-(the demo's teacher pre-training and the hard-label baseline) reads a plain data store and uses the
-same loss with a one-hot "teacher": K = 1, id = next token, log-prob 0, for which the sparse KL
-is exactly the cross-entropy. One code path for both.
+"online" (the reference the cached objectives approximate), a plain data store whose micro-batches
+get the teacher's outputs from a producer of targets run beside the step (`train_step`'s
+`targets`); either way the step reads its targets from the batch (the loss: kdjax.distillation).
+Hard-label training (the demo's teacher pre-training and the hard-label baseline) reads a plain
+data store and uses the same loss with a one-hot "teacher": K = 1, id = next token, log-prob 0,
+for which the sparse KL is exactly the cross-entropy. One code path for all.
 
 With loss.hidden_weight > 0 the cache also holds the teacher's final hidden states, and their
-normalised squared distance to the student's (kdjax.loss.hidden) is added to the loss; when
-the widths differ, a learned projection [D, H] is trained beside the model (state["hidden_proj"],
-never exported).
+normalised squared distance to the student's is added to the loss; when the widths differ, a
+learned projection [D, H] is trained beside the model (state["hidden_proj"], never exported).
 
 Shapes: A micro-batches per optimizer step, B sequences, T positions, K top-k, D width, V vocab,
 H width of the cached hidden states.
@@ -32,9 +32,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
-from kdjax import cache, parallel, peers, remat_auto, tensorboard
+from kdjax import cache, distillation, parallel, peers, remat_auto, tensorboard
 from kdjax.cache import durable, failpoints
-from kdjax.loss import full_kl, hidden, topk_kl
 from kdjax.checkpoints import Checkpoints
 from kdjax.data.packing import next_token_labels
 from kdjax.models import attention, llama
@@ -130,81 +129,36 @@ def to_step_batch(rows: dict, accum_steps: int, hard_labels: bool) -> dict:
   return {k: v.reshape((accum_steps, -1) + v.shape[1:]) for k, v in batch.items()}
 
 
-def _masked_means(terms: dict, mask_BxT) -> dict:
-  mask_BxT = mask_BxT.astype(jnp.float32)
-  count = jnp.maximum(jnp.sum(mask_BxT), 1.0)
-  return {k: jnp.sum(mask_BxT * v) / count for k, v in terms.items()}
+def in_batch(micro_BxT: dict, max_documents: int) -> dict:
+  """The targets of a cache (or of hard labels): the micro-batch holds them already."""
+  return micro_BxT
 
 
 def loss_fn(trained_params, graphdef, batch, loss: LossSettings, max_documents: int,
             mesh: Mesh | None = None):
-  """The micro-batch's loss and metrics. trained_params: see `trained`. Objective "online" reads
-  the teacher's outputs from the batch (teacher_hidden, teacher_head: see grad_step). mesh: the
-  run's device mesh (kdjax/parallel.py), or None for one device."""
+  """The micro-batch's loss and metrics (kdjax.distillation, on the targets the batch holds).
+  trained_params: see `trained`. mesh: the run's device mesh (kdjax/parallel.py), or None for
+  one device."""
   model = nnx.merge(graphdef, trained_params["params"])
   inputs = (batch["tokens"], batch["positions"], batch["segment_ids"], max_documents)
   hidden_BxTxD = model(*inputs)
   # The loss matmuls run in the compute dtype (bf16 at scale) with f32 accumulation; an f32
   # lm_head would make all three run in f32. Its gradient flows back to the f32 parameters.
   lm_head_DxV = model.lm_head_DxV().astype(hidden_BxTxD.dtype)
-  if loss.objective == "online":
-    value, metrics = _distillation_loss(hidden_BxTxD, lm_head_DxV, batch, loss)
-  else:  # per device on its rows when the batch is split over several (the loss's shard_map)
-    rows = {k: batch[k] for k in ("topk_ids", "topk_logprobs", "loss_mask", "labels")}
-    value, metrics = parallel.sharded_loss(
-        functools.partial(_distillation_loss, loss=loss), mesh, hidden_BxTxD, lm_head_DxV, rows)
-  if loss.hidden_weight:
-    nmse = hidden.hidden_nmse(hidden_BxTxD, batch["hidden"], batch["loss_mask"],
-                              trained_params.get("hidden_proj"))
-    value = value + loss.hidden_weight * nmse
-    metrics["hidden_nmse"] = jax.lax.stop_gradient(nmse)
-  return value, metrics
+  return distillation.loss(hidden_BxTxD, lm_head_DxV, batch, loss,
+                           trained_params.get("hidden_proj"), mesh)
 
 
-def _distillation_loss(hidden_BxTxD, lm_head_DxV, batch, loss: LossSettings, vocab_axis=None):
-  """The KL objective (plus CE mix) on the lm_head, and its metrics. vocab_axis: see
-  topk_kl.topk_kl_loss (parallel.sharded_loss passes it)."""
-  if loss.objective == "online":
-    value, terms = full_kl.full_kl_loss(
-        hidden_BxTxD, lm_head_DxV, batch["teacher_hidden"], batch["teacher_head"],
-        batch["loss_mask"],
-        temperature=loss.temperature, labels=batch["labels"], ce_weight=loss.ce_weight,
-        chunk_size=loss.chunk_size or None, per_position=True)
-    return value, _masked_means({k: terms[k] for k in ("kl", "ce", "top1", "entropy")},
-                                batch["loss_mask"])
-  per_position = loss.position_metrics and topk_kl.has_position_terms(loss.impl)
-  value, aux = topk_kl.topk_kl_loss(
-      hidden_BxTxD, lm_head_DxV, batch["topk_ids"], batch["topk_logprobs"],
-      batch["loss_mask"], objective=loss.objective, temperature=loss.temperature,
-      labels=batch["labels"], ce_weight=loss.ce_weight, impl=loss.impl,
-      chunk_size=loss.chunk_size or None, dw_dtype=loss.dw_dtype, return_aux=True,
-      per_position=per_position, vocab_axis=vocab_axis)
-  metrics = {"kl": aux["kl"], "ce": aux["ce"]}
-  if per_position:  # masked means, like kl and ce; from the loss's own pass
-    metrics.update(_masked_means({k: aux["positions"][k] for k in ("top1", "entropy")},
-                                 batch["loss_mask"]))
-  return value, metrics
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "loss", "max_documents",
-                                             "teacher_graphdef", "mesh"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "loss", "max_documents", "mesh"),
                    donate_argnames="grads_sum")
-def grad_step(trained_params, grads_sum, batch_BxT, teacher_params=None, *, graphdef,
-              loss: LossSettings, max_documents: int, teacher_graphdef=None,
-              mesh: Mesh | None = None):
+def grad_step(trained_params, grads_sum, batch_BxT, *, graphdef, loss: LossSettings,
+              max_documents: int, mesh: Mesh | None = None):
   """One micro-batch: its gradients (of trained_params, see `trained`) added into the donated
   running sum, and its metrics.
-  teacher_params / teacher_graphdef: the teacher run in the step (objective "online" only).
 
   The sum is updated in place, so gradient accumulation holds one gradient buffer whatever the
   number of micro-batches (one program scanning them all grew with their number; BENCHMARKS.md).
   """
-  if teacher_graphdef is not None:  # the teacher's forward, outside differentiation
-    teacher = nnx.merge(teacher_graphdef, teacher_params)
-    hidden_BxTxD = teacher(batch_BxT["tokens"], batch_BxT["positions"], batch_BxT["segment_ids"],
-                           max_documents)
-    batch_BxT = {**batch_BxT, "teacher_hidden": hidden_BxTxD,
-                 "teacher_head": teacher.lm_head_DxV().astype(hidden_BxTxD.dtype)}
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   (value, metrics), grads = grad_fn(trained_params, graphdef, batch_BxT, loss, max_documents,
                                     mesh)
@@ -250,20 +204,20 @@ def init_state(params, tx, opt_cfg, hidden_proj=None):
 
 
 def train_step(state, grads_sum, batch_AxB: dict, *, graphdef, tx, loss: LossSettings,
-               state_memory: str, max_documents: int, teacher=None, mesh: Mesh | None = None):
-  """One optimizer step over A micro-batches: A grad_steps, then apply_step. teacher: (graphdef,
-  params) of the teacher run in the step (objective "online"), else None. mesh: see loss_fn.
+               state_memory: str, max_documents: int, mesh: Mesh | None = None,
+               targets=in_batch):
+  """One optimizer step over A micro-batches: A grad_steps, then apply_step. targets(micro_BxT,
+  max_documents) -> the micro-batch with the loss's targets, run just before its grad_step:
+  `in_batch` (a cache's, hard labels'), or the teacher's outputs computed beside the step
+  (objective "online": kdjax.teacher.OnlineTargets). mesh: see loss_fn.
 
   Returns (state, metrics, grads_sum) with every array still in flight (nothing waits).
   """
   metrics_A = []
   for a in range(next(iter(batch_AxB.values())).shape[0]):
-    micro_BxT = {k: v[a] for k, v in batch_AxB.items()}
-    grads_sum, metrics = grad_step(trained(state), grads_sum, micro_BxT,
-                                   None if teacher is None else teacher[1], graphdef=graphdef,
-                                   loss=loss, max_documents=max_documents,
-                                   teacher_graphdef=None if teacher is None else teacher[0],
-                                   mesh=mesh)
+    micro_BxT = targets({k: v[a] for k, v in batch_AxB.items()}, max_documents)
+    grads_sum, metrics = grad_step(trained(state), grads_sum, micro_BxT, graphdef=graphdef,
+                                   loss=loss, max_documents=max_documents, mesh=mesh)
     metrics_A.append(metrics)
   return apply_step(state, grads_sum, metrics_A, tx=tx, state_memory=state_memory)
 
@@ -344,29 +298,30 @@ def _hidden_projection(loss: LossSettings, model_cfg: llama.ModelConfig, store, 
       model_cfg.d_model)
 
 
-def resolve_remat(graphdef, model_cfg, state, grads_sum, store, opt, loss, hard_labels, teacher,
-                   mesh):
-  """remat "auto" made a policy (kdjax/remat_auto.py), planned on the store's first micro-batch."""
+def resolve_remat(graphdef, model_cfg, state, grads_sum, store, opt, loss, hard_labels,
+                  targets=in_batch, mesh=None):
+  """remat "auto" made a policy (kdjax/remat_auto.py), planned on the store's first micro-batch
+  with its targets (see train_step)."""
   if model_cfg.remat != "auto":
     return graphdef, model_cfg
   micro = {k: v[0] for k, v in to_step_batch(
       store.read(np.arange(min(opt.batch_size, store.num_seqs))), 1, hard_labels).items()}
-  kw = dict(loss=loss, max_documents=attention.documents_bound(micro["segment_ids"]), mesh=mesh)
-  if teacher is not None:
-    teacher_graphdef, teacher_params = nnx.split(teacher)
-    kw["teacher_graphdef"] = teacher_graphdef
+  max_documents = attention.documents_bound(micro["segment_ids"])
   if mesh is not None:
     micro = parallel.place_batch(mesh, micro)
-  lower = lambda g: grad_step.lower(trained(state), grads_sum, micro,
-                                    None if teacher is None else teacher_params, graphdef=g, **kw)
+  micro = targets(micro, max_documents)
+  lower = lambda g: grad_step.lower(trained(state), grads_sum, micro, graphdef=g, loss=loss,
+                                    max_documents=max_documents, mesh=mesh)
   return remat_auto.choose(graphdef, model_cfg, (state, grads_sum, micro), lower, opt.memory_gib)
 
 
 def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, workdir: str,
-        opt, loss_cfg, hard_labels: bool, seed: int, teacher: nnx.Module | None = None,
+        opt, loss_cfg, hard_labels: bool, seed: int, targets=None,
         mesh: Mesh | None = None) -> nnx.Module:
   """Trains `model` for opt.steps on `store`, resuming from workdir/ckpt; returns the trained model.
-  teacher: run in every step with objective "online" (store: a data store), else None.
+  targets: with objective "online" (store: a data store), kdjax.teacher.OnlineTargets, which
+  computes the teacher's outputs for each micro-batch beside the step; else None (see
+  train_step).
   mesh: several devices (kdjax/parallel.py: rows split over data x fsdp, state sharded over
   fsdp), or None for one.
 
@@ -386,8 +341,13 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
     state, grads_sum = parallel.place_state(mesh, (state, grads_sum))
   else:
     mesh = None
+  if (loss.objective == "online") != (targets is not None):
+    raise ValueError(f"objective {loss.objective!r}, targets {'given' if targets else 'none'}: "
+                     "objective 'online', and only it, takes targets computed beside the step "
+                     "(kdjax.teacher.OnlineTargets)")
+  targets = targets or in_batch
   graphdef, model_cfg = resolve_remat(graphdef, model_cfg, state, grads_sum, store, opt, loss,
-                                       hard_labels, teacher, mesh)
+                                      hard_labels, targets, mesh)
   loader = cache.Loader(store, opt.batch_size * opt.accum_steps, seed=seed, shuffle=True,
                         prefetch=opt.loader_prefetch, workers=opt.loader_workers or None,
                         hidden=loss.hidden_weight > 0)
@@ -407,11 +367,7 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
 
   tokens_per_step = opt.batch_size * opt.accum_steps * store.seq_len
   peak = peak_flops(opt.peak_tflops)
-  if (loss.objective == "online") != (teacher is not None):
-    raise ValueError(f"objective {loss.objective!r}, teacher {'given' if teacher else 'none'}: "
-                     "objective 'online', and only it, runs a teacher in the step")
-  step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx, loss=loss,
-                              teacher=None if teacher is None else nnx.split(teacher),
+  step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx, loss=loss, targets=targets,
                               state_memory=opt.state_memory, mesh=mesh)
   max_documents = 1  # only grows (documents_bound), so the step compiles at most log2(T) times
   events = tensorboard.EventWriter(os.path.join(workdir, "tensorboard")) if lead else None

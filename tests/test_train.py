@@ -10,6 +10,7 @@ from flax import nnx
 from kdjax import cache, checkpoints, config, remat_auto, train
 from kdjax.data.packing import next_token_labels
 from kdjax.plots import read_metrics
+from kdjax.teacher import OnlineTargets
 from kdjax.models import llama
 
 V, T, K, S = 64, 16, 8, 24  # vocab, seq_len, top-k, sequences
@@ -418,7 +419,7 @@ def test_memory_levers_keep_the_update(lever, rng):
     assert all(x.sharding.memory_kind == "pinned_host" for x in opt_leaves)
 
 
-def test_online_objective_runs_the_teacher_in_the_step(tmp_path, rng):
+def test_online_objective_runs_the_teacher_beside_the_step(tmp_path, rng):
   """objective "online": a data store (no top-k), the teacher's full softmax in every step. The
   step's loss is the full-vocabulary KL of the two models on the batch, and training lowers it."""
   tokens = rng.integers(0, V, (S, T)).astype(np.int32)
@@ -441,12 +442,10 @@ def test_online_objective_runs_the_teacher_in_the_step(tmp_path, rng):
   batch = {k: v[0] for k, v in batch.items()}
   student = llama.Transformer(cfg, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(student)
-  teacher_graphdef, teacher_params = nnx.split(teacher)
   settings = train.LossSettings.from_config(loss_cfg, hard_labels=False)
+  targets = OnlineTargets(teacher)
   _, metrics = train.grad_step({"params": params}, {"params": jax.tree.map(jnp.zeros_like, params)},
-                              batch,
-                              teacher_params, graphdef=graphdef, loss=settings, max_documents=1,
-                              teacher_graphdef=teacher_graphdef)
+                              targets(batch, 1), graphdef=graphdef, loss=settings, max_documents=1)
   value = metrics.pop("loss")
 
   def logprobs(model):
@@ -467,7 +466,7 @@ def test_online_objective_runs_the_teacher_in_the_step(tmp_path, rng):
               hard_labels=False, seed=0)
   train.fit(name="run", model=llama.Transformer(cfg, rngs=nnx.Rngs(0)), model_cfg=cfg,
             store=store, workdir=str(tmp_path / "run"), opt=opt_group(steps=20, ckpt_every=20),
-            loss_cfg=loss_cfg, hard_labels=False, seed=0, teacher=teacher)
+            loss_cfg=loss_cfg, hard_labels=False, seed=0, targets=targets)
   rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
   assert rows[-1]["kl"] < rows[0]["kl"]
 
@@ -485,7 +484,7 @@ def test_remat_auto_takes_the_fastest_policy_that_fits(tmp_path, rng):
 
   def plan(memory_gib):
     return train.resolve_remat(graphdef, cfg, state, grads_sum, store,
-                               opt_group(memory_gib=memory_gib), loss, False, None, None)[1].remat
+                               opt_group(memory_gib=memory_gib), loss, False)[1].remat
 
   assert plan(1000.0) == "none"
   needs = {}  # what choose planned for each policy, read back from its error
