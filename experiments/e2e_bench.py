@@ -24,7 +24,7 @@ below; XLA's memory plan of the step, printed before it runs).
 
 FLOP convention (model FLOPs, no recomputation): per token 6 N (N = matmul parameters, lm_head
 included) plus attention 12 L H E c, where c is the mean number of keys a query sees (causal,
-within its document: sum over documents of len^2 / 2, over T). MFU divides by train.peak_flops()
+within its document: sum over documents of len^2 / 2, over T). MFU divides by reporting.peak_flops()
 (989 TFLOP/s, H200 dense bf16).
 """
 import argparse
@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kdjax import build, cache, config, parallel, teacher, train  # noqa: E402
+from kdjax import build, cache, config, parallel, reporting, teacher, train  # noqa: E402
 from kdjax.models import attention, llama  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "e2e.jsonl")
@@ -241,7 +241,7 @@ def run_student(args) -> dict:
           "batch_size": c.opt.batch_size, "docs_per_row": args.docs, "packed": args.docs > 1,
           "devices": 1 if mesh is None else mesh.size,
           "step_s": step_s, "tokens_per_s": tokens / step_s, "model_tflops": tflops,
-          "mfu": tflops * 1e12 / train.peak_flops() if train.peak_flops() else None,
+          "mfu": tflops * 1e12 / reporting.peak_flops() if reporting.peak_flops() else None,
           "peak_gib": peak_gib(),
           "optimizer_state": f"{c.opt.state_dtype}/{c.opt.state_memory}",
           "accum_dtype": c.opt.accum_dtype,

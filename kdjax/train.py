@@ -18,42 +18,22 @@ H width of the cached hidden states.
 import collections
 import dataclasses
 import functools
-import json
-import logging
 import os
-import signal
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
-from kdjax import cache, distillation, parallel, peers, remat_auto, tensorboard
-from kdjax.cache import durable, failpoints
-from kdjax.checkpoints import Checkpoints
+from kdjax import cache, distillation, parallel, remat_auto, reporting, resume
+from kdjax.cache import failpoints
 from kdjax.data.packing import next_token_labels
 from kdjax.models import attention, llama
 
-# Dense bf16 peak FLOP/s by device kind, for the MFU in the log (opt.peak_tflops overrides).
-PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100": 989e12,
-              "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12}
-
 TRAINED = ("params", "hidden_proj")  # the state's entries the optimizer updates (when present)
-# Of several processes, a log line names the one whose batches others waited for when it spent
-# more than this share of the time waiting for them.
-SLOW_WAIT = 0.2
-
-
-def peak_flops(override_tflops: float = 0.0) -> float | None:
-  """The device's dense bf16 peak FLOP/s: the override if set, else PEAK_FLOPS, else None."""
-  if override_tflops:
-    return override_tflops * 1e12
-  return PEAK_FLOPS.get(jax.devices()[0].device_kind)
-
 
 @dataclasses.dataclass(frozen=True)
 class LossSettings:
@@ -222,69 +202,6 @@ def train_step(state, grads_sum, batch_AxB: dict, *, graphdef, tx, loss: LossSet
   return apply_step(state, grads_sum, metrics_A, tx=tx, state_memory=state_memory)
 
 
-def _log_line(name, step, steps, m, lr, tok_s, mfu, mem_gib, eta_s, slowest=None):
-  extra = f" top1 {m['top1']:.3f} ent {m['entropy']:.3f}" if "top1" in m else ""
-  extra += f" lr {lr:.2e} tok/s {tok_s:.0f}"
-  extra += f" mfu {mfu:.1%}" if mfu is not None else ""
-  extra += f" mem {mem_gib:.1f}GiB" if mem_gib is not None else ""
-  extra += f" eta {_duration(eta_s)}" if eta_s is not None else ""
-  if slowest is not None:  # (process, its share of the time waiting for its batches)
-    extra += f" slowest: process {slowest[0]} waited {slowest[1]:.0%} for data"
-  kl = f" kl {m['kl']:.4f}" if "kl" in m else ""  # none on hard labels
-  logging.info("%s step %d/%d loss %.4f%s ce %.4f%s", name, step, steps, m["loss"], kl, m["ce"],
-               extra)
-
-
-def _duration(seconds: float) -> str:
-  minutes, secs = divmod(int(round(seconds)), 60)
-  hours, minutes = divmod(minutes, 60)
-  return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
-
-
-def _peak_memory_gib():
-  stats = jax.local_devices()[0].memory_stats() or {}
-  return stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
-
-
-@jax.jit
-def _all_finite(tree) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
-
-def _keep_metrics_until(path: str, step: int):
-  """Drops the lines of steps after `step` (run again after a resume) and a torn last line."""
-  if not os.path.exists(path):
-    return
-  kept = []
-  with open(path) as f:
-    for line in f:
-      try:
-        if json.loads(line)["step"] <= step:
-          kept.append(line if line.endswith("\n") else line + "\n")
-      except (ValueError, KeyError):  # a line cut by a kill
-        continue
-  durable.write_text(path, "".join(kept))
-
-
-def _restore(ckpt: Checkpoints, step: int, state: dict, tx) -> tuple[dict, dict]:
-  """Checkpoint `step` in the structure of `state`. One written before the optimizer updated
-  `trained`'s dict (its moments keyed like the model's parameters alone) is read in that layout
-  and its moments rekeyed, so a run started with an older kdjax resumes."""
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-  try:
-    return ckpt.restore(step, abstract)
-  except Exception as error:  # orbax names the first difference of the trees
-    if set(trained(state)) != {"params"}:
-      raise
-    try:
-      old, loader_state = ckpt.restore(step, {**abstract, "opt": jax.eval_shape(
-          tx.init, abstract["params"])})
-    except Exception:
-      raise error from None
-  opt = jax.tree.unflatten(jax.tree.structure(abstract["opt"]), jax.tree.leaves(old["opt"]))
-  return {**old, "opt": opt}, loader_state
-
-
 def _hidden_projection(loss: LossSettings, model_cfg: llama.ModelConfig, store, seed: int):
   """The learned projection [D, H] of the hidden-state term, initialised N(0, 1/D) (so it keeps
   a vector's squared norm on average), when the term is on and the widths differ; else None."""
@@ -315,6 +232,72 @@ def resolve_remat(graphdef, model_cfg, state, grads_sum, store, opt, loss, hard_
   return remat_auto.choose(graphdef, model_cfg, (state, grads_sum, micro), lower, opt.memory_gib)
 
 
+class Trainer:
+  """A run's optimizer, train state, jitted steps and loader, set up as `fit` runs them: `step`
+  runs one optimizer step on a batch of `next_batch` (experiments/e2e_bench.py times the same).
+  Arguments: see `fit`."""
+
+  def __init__(self, *, model: nnx.Module, model_cfg: llama.ModelConfig, store, opt, loss_cfg,
+               hard_labels: bool, seed: int, targets=None, mesh: Mesh | None = None):
+    self.opt, self.hard_labels = opt, hard_labels
+    self.tx, self.schedule = make_optimizer(opt)
+    self.loss = LossSettings.from_config(loss_cfg, hard_labels)
+    if (self.loss.objective == "online") != (targets is not None):
+      raise ValueError(f"objective {self.loss.objective!r}, targets "
+                       f"{'given' if targets else 'none'}: objective 'online', and only it, takes "
+                       "targets computed beside the step (kdjax.teacher.OnlineTargets)")
+    self.targets = targets or in_batch
+    graphdef, params = nnx.split(model)
+    self.state, self.grads_sum = init_state(params, self.tx, opt, _hidden_projection(
+        self.loss, model_cfg, store, seed))
+    if parallel.several(mesh):
+      if opt.state_memory == "host" or self.loss.objective == "online":
+        raise ValueError("several devices (mesh) take opt.state_memory='device' and an offline "
+                         f"objective; got {opt.state_memory!r}, {self.loss.objective!r}.")
+      self.state, self.grads_sum = parallel.place_state(mesh, (self.state, self.grads_sum))
+    else:
+      mesh = None
+    self.mesh = mesh
+    self.graphdef, self.model_cfg = resolve_remat(graphdef, model_cfg, self.state, self.grads_sum,
+                                                  store, opt, self.loss, hard_labels,
+                                                  self.targets, mesh)
+    self.loader = cache.Loader(store, opt.batch_size * opt.accum_steps, seed=seed, shuffle=True,
+                               prefetch=opt.loader_prefetch, workers=opt.loader_workers or None,
+                               hidden=self.loss.hidden_weight > 0)
+    self.loader_state = self.loader.state()  # always the position matching `state`
+    self.tokens_per_step = opt.batch_size * opt.accum_steps * store.seq_len
+    # Only grows (documents_bound), so the step compiles at most log2(T) times.
+    self.max_documents = 1
+
+  def resume(self, run: resume.Run):
+    """Continues from `run`'s latest checkpoint, if it has one."""
+    self.state = run.restore(self.state, self.tx, self.loader)
+    self.loader_state = self.loader.state()
+
+  def next_batch(self) -> dict:
+    """The next step's host batch [A, B, ...] (waits for the loader)."""
+    return to_step_batch(next(self.loader), self.opt.accum_steps, self.hard_labels)
+
+  def step(self, batch_AxB: dict) -> dict:
+    """One optimizer step on a batch of `next_batch`; returns its metrics, still in flight."""
+    self.max_documents = max(self.max_documents,
+                             attention.documents_bound(batch_AxB["segment_ids"]))
+    if self.mesh is not None:
+      batch_AxB = parallel.place_batch(self.mesh, batch_AxB)
+    self.state, metrics, self.grads_sum = train_step(
+        self.state, self.grads_sum, batch_AxB, graphdef=self.graphdef, tx=self.tx,
+        loss=self.loss, state_memory=self.opt.state_memory, max_documents=self.max_documents,
+        mesh=self.mesh, targets=self.targets)
+    self.loader_state = self.loader.state()
+    return metrics
+
+  def model(self) -> nnx.Module:
+    return nnx.merge(self.graphdef, self.state["params"])
+
+  def close(self):
+    self.loader.close()
+
+
 def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, workdir: str,
         opt, loss_cfg, hard_labels: bool, seed: int, targets=None,
         mesh: Mesh | None = None) -> nnx.Module:
@@ -327,155 +310,47 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
 
   Returns at once when the final checkpoint exists (the stage is complete). A checkpoint is
   written only after its step's metrics and parameters are checked finite, and metrics.jsonl then
-  holds exactly one line per logged step up to it (a resume drops the lines of later steps).
+  holds exactly one line per logged step up to it (kdjax/resume.py).
   """
   os.makedirs(workdir, exist_ok=True)
-  tx, schedule = make_optimizer(opt)
-  loss = LossSettings.from_config(loss_cfg, hard_labels)
-  graphdef, params = nnx.split(model)
-  state, grads_sum = init_state(params, tx, opt, _hidden_projection(loss, model_cfg, store, seed))
-  if parallel.several(mesh):
-    if opt.state_memory == "host" or loss.objective == "online":
-      raise ValueError("several devices (mesh) take opt.state_memory='device' and an offline "
-                       f"objective; got {opt.state_memory!r}, {loss.objective!r}.")
-    state, grads_sum = parallel.place_state(mesh, (state, grads_sum))
-  else:
-    mesh = None
-  if (loss.objective == "online") != (targets is not None):
-    raise ValueError(f"objective {loss.objective!r}, targets {'given' if targets else 'none'}: "
-                     "objective 'online', and only it, takes targets computed beside the step "
-                     "(kdjax.teacher.OnlineTargets)")
-  targets = targets or in_batch
-  graphdef, model_cfg = resolve_remat(graphdef, model_cfg, state, grads_sum, store, opt, loss,
-                                      hard_labels, targets, mesh)
-  loader = cache.Loader(store, opt.batch_size * opt.accum_steps, seed=seed, shuffle=True,
-                        prefetch=opt.loader_prefetch, workers=opt.loader_workers or None,
-                        hidden=loss.hidden_weight > 0)
-  ckpt = Checkpoints(os.path.join(workdir, "ckpt"), model_cfg, keep=opt.keep_checkpoints)
-  start = ckpt.latest_step() or 0
-  metrics_path = os.path.join(workdir, "metrics.jsonl")
-  lead = jax.process_index() == 0  # of several processes, one writes the logs and metrics
-  if lead:
-    _keep_metrics_until(metrics_path, start)
-  if start:
-    state, loader_state = _restore(ckpt, start, state, tx)
-    loader.restore(loader_state)
-    logging.info("%s: resumed from step %d", name, start)
-  if start >= opt.steps:
-    ckpt.close()
-    return nnx.merge(graphdef, state["params"])
-
-  tokens_per_step = opt.batch_size * opt.accum_steps * store.seq_len
-  peak = peak_flops(opt.peak_tflops)
-  step_fn = functools.partial(train_step, graphdef=graphdef, tx=tx, loss=loss, targets=targets,
-                              state_memory=opt.state_memory, mesh=mesh)
-  max_documents = 1  # only grows (documents_bound), so the step compiles at most log2(T) times
-  events = tensorboard.EventWriter(os.path.join(workdir, "tensorboard")) if lead else None
-  last_saved = start
-  # Since the last report: host time waiting for batches, model FLOPs of the steps run.
-  clock = {"time": time.perf_counter(), "step": start, "wait": 0.0, "flops": 0.0, "first": None}
-
-  def report(step, metrics):
-    """Checks and logs one step's metrics (blocks until that step is done)."""
-    # On hard labels the one-hot "teacher" makes kl the cross-entropy itself (module
-    # docstring): logged once, as ce.
-    m = {k: float(v) for k, v in metrics.items() if not (hard_labels and k == "kl")}
-    now = time.perf_counter()
-    if not all(np.isfinite(list(m.values()))):
-      raise FloatingPointError(
-          f"{name}: non-finite metrics at step {step}: {m}; no checkpoint was written after step "
-          f"{last_saved}. Lower opt.lr or check the cache with 'python -m kdjax.cache verify "
-          f"PATH', then run the same command again: it resumes from step {last_saved}.")
-    elapsed, done = now - clock["time"], step - clock["step"]
-    tok_s = tokens_per_step * done / elapsed
-    mfu = clock["flops"] / elapsed / peak if peak else None
-    if clock["first"] is None:  # the ETA leaves out the first (compiling) step
-      clock["first"] = (now, step)
-    first_t, first_step = clock["first"]
-    eta = (now - first_t) / (step - first_step) * (opt.steps - step) if step > first_step else None
-    mem, lr = _peak_memory_gib(), float(schedule(step - 1))
-    # Each process's share of the time it waited for its own batches: of several, the one that
-    # waited most is the one the others waited for (a slow disk, a stalled loader).
-    waits = parallel.per_process(clock["wait"] / elapsed)
-    clock.update(time=now, step=step, wait=0.0, flops=0.0)
-    if not lead:
-      return
-    slowest = int(np.argmax(waits))
-    _log_line(name, step, opt.steps, m, lr, tok_s, mfu, mem, eta,
-              (slowest, waits[slowest]) if len(waits) > 1 and waits[slowest] > SLOW_WAIT else None)
-    line = {"step": step, **m, "lr": lr, "tokens_per_s": tok_s, "mfu": mfu, "peak_mem_gib": mem,
-            "data_wait_frac": max(waits), "time": time.time()}
-    if len(waits) > 1:
-      line.update(data_wait_process=slowest, data_wait_fracs=waits)
-    with open(metrics_path, "a") as f:
-      f.write(json.dumps(line) + "\n")
-    events.scalars(step, {k: v for k, v in line.items() if k not in ("step", "time")})
-
-  def save(step):
-    nonlocal last_saved
-    if not bool(_all_finite(state["params"])):
-      raise FloatingPointError(
-          f"{name}: the parameters after step {step} are not finite; no checkpoint was written "
-          f"after step {last_saved}. Lower opt.lr, then run the same command again: it resumes "
-          f"from step {last_saved}.")
-    ckpt.save(step, state, loader_state)
-    last_saved = step
-
-  # SIGTERM (a pre-empted job) saves a checkpoint like Ctrl-C does, so no finished step is lost.
-  # Of several processes, all must save the same step: the one signalled proposes a step that
-  # none has passed (each is at most `in_flight` steps ahead of the slowest, which the step's
-  # collectives wait for), and every process stops after it (kdjax.peers).
-  stop = {"asked": False, "at": None}
-
-  def on_sigterm(*_):
-    if not peers.several():
-      raise KeyboardInterrupt
-    stop["asked"] = True
-  previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
-  loader_state = loader.state()  # always the position matching `state`
-  in_flight, dispatched = parallel.in_flight(mesh), collections.deque()
-  try:
-    for step in range(start + 1, opt.steps + 1):
-      if peers.several():
-        if stop["asked"] and stop["at"] is None:
-          peers.propose_stop(name, step + in_flight + 2)
-        stop["at"] = stop["at"] or peers.agreed_stop(name)
-        if stop["at"] is not None and step > stop["at"]:
-          raise KeyboardInterrupt
-      t0 = time.perf_counter()
-      failpoints.hit("step")  # tests: a process killed, stopped or stalled in training
-      batch = to_step_batch(next(loader), opt.accum_steps, hard_labels)
-      clock["wait"] += time.perf_counter() - t0
-      max_documents = max(max_documents, attention.documents_bound(batch["segment_ids"]))
-      clock["flops"] += tokens_per_step * llama.flops_per_token(
-          model_cfg, attention.mean_context(batch["segment_ids"]))
-      if mesh is not None:
-        batch = parallel.place_batch(mesh, batch)
-      state, metrics, grads_sum = step_fn(state, grads_sum, batch, max_documents=max_documents)
-      loader_state = loader.state()
-      dispatched.append(metrics)  # at most in_flight steps unread (parallel.in_flight)
-      while len(dispatched) >= in_flight:
-        jax.block_until_ready(dispatched.popleft())
-      # A logged step is read as soon as it is dispatched, so its time is its own (a step's
-      # micro-batches go in as host arrays, whose copies wait for the device anyway: reading one
-      # step later reported two steps as one, measured on the H200). A logged step is checked
-      # finite before it is saved; save checks the parameters of every step it saves.
-      if step % opt.log_every == 0 or step == opt.steps:
-        report(step, metrics)
-      if step % opt.ckpt_every == 0 or step == opt.steps:
-        save(step)
-  except (KeyboardInterrupt, cache.CacheError) as e:
-    # Interrupted, or a damaged row was read: every finished step is saved before leaving.
-    done = int(state["step"])
-    if done > last_saved:
-      save(done)
-    logging.info("%s: %s; saved step %d", name,
-                 "interrupted" if isinstance(e, KeyboardInterrupt) else "stopped", done)
-    raise
-  finally:
-    signal.signal(signal.SIGTERM, previous_handler)
-    loader.close()
-    ckpt.close()
-    if events is not None:
-      events.close()
-  return nnx.merge(graphdef, state["params"])
+  trainer = Trainer(model=model, model_cfg=model_cfg, store=store, opt=opt, loss_cfg=loss_cfg,
+                    hard_labels=hard_labels, seed=seed, targets=targets, mesh=mesh)
+  run = resume.Run(name, workdir, trainer.model_cfg, opt.keep_checkpoints)
+  trainer.resume(run)
+  if run.start >= opt.steps:
+    run.close()
+    trainer.close()
+    return trainer.model()
+  reporter = reporting.Reporter(name=name, workdir=workdir, opt=opt, model_cfg=trainer.model_cfg,
+                                schedule=trainer.schedule, tokens_per_step=trainer.tokens_per_step,
+                                hard_labels=hard_labels, start=run.start)
+  in_flight, dispatched = parallel.in_flight(trainer.mesh), collections.deque()
+  with resume.StopOnSigterm(name, in_flight) as stop:
+    try:
+      for step in range(run.start + 1, opt.steps + 1):
+        stop.check(step)
+        t0 = time.perf_counter()
+        failpoints.hit("step")  # tests: a process killed, stopped or stalled in training
+        batch = trainer.next_batch()
+        reporter.waited(time.perf_counter() - t0)
+        reporter.ran(batch["segment_ids"])
+        metrics = trainer.step(batch)
+        dispatched.append(metrics)  # at most in_flight steps unread (parallel.in_flight)
+        while len(dispatched) >= in_flight:
+          jax.block_until_ready(dispatched.popleft())
+        # A logged step is read as soon as it is dispatched, so its time is its own (a step's
+        # micro-batches go in as host arrays, whose copies wait for the device anyway: reading
+        # one step later reported two steps as one, measured on the H200). A logged step is
+        # checked finite before it is saved; save checks the parameters of every step it saves.
+        if step % opt.log_every == 0 or step == opt.steps:
+          reporter.report(step, metrics, run.saved)
+        if step % opt.ckpt_every == 0 or step == opt.steps:
+          run.save(step, trainer.state, trainer.loader_state)
+    except (KeyboardInterrupt, cache.CacheError) as error:
+      run.save_on_exit(error, trainer.state, trainer.loader_state)
+      raise
+    finally:
+      trainer.close()
+      run.close()
+      reporter.close()
+  return trainer.model()

@@ -1,62 +1,18 @@
-"""Training: the loss falls, a crash resumes to the same parameters, bad workdirs and NaN fail loudly."""
+"""Training (kdjax/train.py): the loss falls, the step's metrics and updates, memory levers,
+accumulation, objective "online" through its targets, remat "auto"."""
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 
-from kdjax import cache, checkpoints, config, remat_auto, train
+from kdjax import cache, config, remat_auto, train
 from kdjax.data.packing import next_token_labels
+from kdjax.models import llama
 from kdjax.plots import read_metrics
 from kdjax.teacher import OnlineTargets
-from kdjax.models import llama
-
-V, T, K, S = 64, 16, 8, 24  # vocab, seq_len, top-k, sequences
-
-
-def tiny_model_cfg(**overrides) -> llama.ModelConfig:
-  fields = dict(vocab_size=V, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
-                d_ff=64, rope_theta=10000.0, rope_scaling=None, norm_eps=1e-5,
-                tie_embeddings=False, qk_norm=False)
-  fields.update(overrides)
-  return llama.ModelConfig(**fields)
-
-
-def make_cache(path, rng, *, k=K) -> "cache.Store":
-  """A cache with a learnable pattern: the teacher predicts token + 1 with most of its mass."""
-  tokens = rng.integers(0, V, (S, T)).astype(np.int32)
-  tokens[:, 1:] = (tokens[:, :1] + np.arange(1, T)) % V
-  ids = (tokens[..., None] + np.arange(1, k + 1)) % V
-  logits = -2.0 * np.arange(k, dtype=np.float64)
-  logprobs = np.broadcast_to(logits - np.log(np.exp(logits).sum() + 0.05), (S, T, k))
-  mask = np.ones((S, T), bool)
-  mask[:, -1] = False
-  store = cache.create(str(path), num_seqs=S, seq_len=T, k=k, vocab_size=V, attrs={"source": "test"})
-  store.write(0, {"tokens": tokens, "segment_ids": np.ones((S, T), np.int32),
-                  "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (S, T)).copy(),
-                  "loss_mask": mask, "topk_ids": ids.astype(np.int32),
-                  "topk_logprobs": logprobs.astype(np.float32)})
-  return cache.open(str(path))
-
-
-def opt_group(**overrides) -> ml_collections.ConfigDict:
-  return config.opt_group(**{"steps": 6, "batch_size": 2, "accum_steps": 2, "warmup_steps": 1,
-                             "log_every": 1, "ckpt_every": 2, "lr": 1e-2, **overrides})
-
-
-def fit(tmp_path, store, name="run", cfg=None, opt=None, hard_labels=False, seed=0):
-  cfg = cfg or tiny_model_cfg()
-  loss = config.base().loss
-  loss.chunk_size = 10  # not a divisor of T: the padded last chunk is exercised
-  return train.fit(name=name, model=llama.Transformer(cfg, rngs=nnx.Rngs(seed)), model_cfg=cfg,
-                   store=store, workdir=str(tmp_path / name), opt=opt or opt_group(),
-                   loss_cfg=loss, hard_labels=hard_labels, seed=seed)
-
-
-def params_of(model):
-  return jax.tree.leaves(nnx.state(model))
+from tests.fixtures.train_run import K, S, T, V, fit, make_cache, opt_group, tiny_model_cfg
 
 
 def test_distillation_loss_falls_and_logs(tmp_path, rng):
@@ -88,190 +44,6 @@ def test_hard_label_loss_is_cross_entropy(tmp_path, rng, caplog):
     assert "kl" not in r and "top1" in r
   lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("run step")]
   assert len(lines) == 2 and all(" ce " in line and " kl " not in line for line in lines), lines
-
-
-def crash_at_step_5(tmp_path, monkeypatch, store, name="crashed"):
-  """A run killed in its step 5: its checkpoint of step 4 is on disk."""
-  real_step, calls = train.train_step, []
-
-  def crashing(state, grads_sum, batch, **kw):
-    calls.append(1)
-    if len(calls) == 5:
-      raise RuntimeError("simulated crash")
-    return real_step(state, grads_sum, batch, **kw)
-
-  monkeypatch.setattr(train, "train_step", crashing)
-  with pytest.raises(RuntimeError, match="simulated crash"):
-    fit(tmp_path, store, name=name)
-  monkeypatch.setattr(train, "train_step", real_step)
-  assert checkpoints.Checkpoints(str(tmp_path / name / "ckpt"), tiny_model_cfg()).latest_step() == 4
-
-
-def test_crash_resumes_to_identical_parameters(tmp_path, monkeypatch, rng):
-  store = make_cache(tmp_path / "c.zarr", rng)
-  straight = params_of(fit(tmp_path, store, name="straight"))
-  crash_at_step_5(tmp_path, monkeypatch, store)
-  resumed = params_of(fit(tmp_path, store, name="crashed"))
-  for a, b in zip(straight, resumed):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_a_checkpoint_in_the_older_state_layout_resumes(tmp_path, monkeypatch, rng):
-  """A checkpoint whose AdamW moments are keyed like the model's parameters alone (written before
-  the optimizer updated train.trained's dict) resumes to the parameters of an unbroken run."""
-  import shutil
-  store = make_cache(tmp_path / "c.zarr", rng)
-  straight = params_of(fit(tmp_path, store, name="straight"))
-  crash_at_step_5(tmp_path, monkeypatch, store)
-  directory = str(tmp_path / "crashed" / "ckpt")
-  opt = opt_group()
-  tx, _ = train.make_optimizer(opt)
-  _, params = nnx.split(llama.Transformer(tiny_model_cfg(), rngs=nnx.Rngs(0)))
-  state, _ = train.init_state(params, tx, opt)
-  ckpt = checkpoints.Checkpoints(directory, tiny_model_cfg())
-  state, loader_state = ckpt.restore(4, jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype), state))
-  ckpt.close()
-  older = {**state, "opt": jax.tree.unflatten(jax.tree.structure(tx.init(state["params"])),
-                                              jax.tree.leaves(state["opt"]))}
-  shutil.rmtree(directory)
-  ckpt = checkpoints.Checkpoints(directory, tiny_model_cfg())
-  ckpt.save(4, older, loader_state)
-  ckpt.close()
-  resumed = params_of(fit(tmp_path, store, name="crashed"))
-  for a, b in zip(straight, resumed):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_finished_run_is_not_trained_again(tmp_path, rng):
-  store = make_cache(tmp_path / "c.zarr", rng)
-  first = params_of(fit(tmp_path, store))
-  lines = len(read_metrics(tmp_path / "run" / "metrics.jsonl"))
-  again = params_of(fit(tmp_path, store))
-  assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == lines
-  for a, b in zip(first, again):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_checkpoint_of_another_model_shape_is_refused(tmp_path, rng):
-  store = make_cache(tmp_path / "c.zarr", rng)
-  fit(tmp_path, store, opt=opt_group(steps=2))
-  with pytest.raises(ValueError, match="different model.*d_model"):
-    fit(tmp_path, store, cfg=tiny_model_cfg(d_model=48), opt=opt_group(steps=4))
-  # how the model runs is not what it is: another remat policy resumes the run
-  model = fit(tmp_path, store, cfg=tiny_model_cfg(remat="none"), opt=opt_group(steps=4))
-  assert model.cfg.remat == "none"
-
-
-def test_non_finite_loss_names_the_step(tmp_path, rng):
-  store = make_cache(tmp_path / "c.zarr", rng)
-  cfg = tiny_model_cfg()
-  model = llama.Transformer(cfg, rngs=nnx.Rngs(0))
-  graphdef, state = nnx.split(model)
-  state = jax.tree.map(lambda x: x * np.nan, state)
-  with pytest.raises(FloatingPointError, match="step 1"):
-    train.fit(name="nan", model=nnx.merge(graphdef, state), model_cfg=cfg, store=store,
-              workdir=str(tmp_path / "nan"), opt=opt_group(steps=2), loss_cfg=config.base().loss,
-              hard_labels=False, seed=0)
-
-
-def test_nan_after_a_checkpoint_keeps_that_checkpoint_and_writes_none(tmp_path, monkeypatch, rng):
-  """A step that turns the state non-finite is caught before its checkpoint: the latest
-  checkpoint stays the last finite one, and the error names it."""
-  store = make_cache(tmp_path / "c.zarr", rng)
-  real_step = train.train_step
-  calls = {"n": 0}
-
-  def poisoned_at_3(state, grads_sum, batch, **kw):
-    calls["n"] += 1
-    state, metrics, grads_sum = real_step(state, grads_sum, batch, **kw)
-    if calls["n"] == 3:
-      state = {**state, "params": jax.tree.map(lambda x: x * jnp.nan, state["params"])}
-    return state, metrics, grads_sum
-
-  monkeypatch.setattr(train, "train_step", poisoned_at_3)
-  with pytest.raises(FloatingPointError, match="resumes from step 2"):
-    fit(tmp_path, store, opt=opt_group(steps=6, ckpt_every=2, log_every=1))
-  assert checkpoints.Checkpoints(str(tmp_path / "run" / "ckpt"), tiny_model_cfg()).latest_step() == 2
-
-
-def test_metrics_are_exact_across_interruptions(tmp_path, monkeypatch, rng):
-  """One line per logged step after an interruption and a resume: no step lost, none twice, a
-  torn last line (kill -9 mid-write) dropped."""
-  store = make_cache(tmp_path / "c.zarr", rng)
-  real_batch = train.to_step_batch
-  calls = {"n": 0}
-
-  def interrupted_at_4(*args, **kw):
-    calls["n"] += 1
-    if calls["n"] == 4:
-      raise KeyboardInterrupt  # as SIGTERM does in fit
-    return real_batch(*args, **kw)
-
-  monkeypatch.setattr(train, "to_step_batch", interrupted_at_4)
-  with pytest.raises(KeyboardInterrupt):
-    fit(tmp_path, store, opt=opt_group(steps=6, ckpt_every=5, log_every=1))
-  path = tmp_path / "run" / "metrics.jsonl"
-  assert [m["step"] for m in read_metrics(path)] == [1, 2, 3]  # saved at step 3 on the way out
-  with open(path, "a") as f:  # lines of steps the checkpoint does not hold, one torn
-    f.write('{"step": 4, "loss": 1.0}\n{"step": 5, "lo')
-  monkeypatch.setattr(train, "to_step_batch", real_batch)
-  fit(tmp_path, store, opt=opt_group(steps=6, ckpt_every=5, log_every=1))
-  steps = [m["step"] for m in read_metrics(path)]
-  assert steps == [1, 2, 3, 4, 5, 6]
-  assert all("data_wait_frac" in m for m in read_metrics(path))
-  assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
-
-
-def test_a_damaged_row_stops_training_after_saving(tmp_path, monkeypatch, rng):
-  """A row that fails its checks when read stops the run, and the finished steps are saved."""
-  store = make_cache(tmp_path / "c.zarr", rng)
-  real_next = cache.Loader.__next__
-  calls = {"n": 0}
-
-  def damaged_at_4(self):
-    calls["n"] += 1
-    if calls["n"] == 4:
-      raise cache.CacheError("c.zarr row 9: topk_logprobs holds NaN")
-    return real_next(self)
-
-  monkeypatch.setattr(cache.Loader, "__next__", damaged_at_4)
-  with pytest.raises(cache.CacheError, match="row 9"):
-    fit(tmp_path, store, opt=opt_group(steps=6, ckpt_every=5, log_every=1))
-  assert checkpoints.Checkpoints(str(tmp_path / "run" / "ckpt"), tiny_model_cfg()).latest_step() == 3
-  assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
-
-
-def test_restore_finished_reads_the_parameters_only(tmp_path, rng):
-  store = make_cache(tmp_path / "c.zarr", rng)
-  trained = params_of(fit(tmp_path, store, opt=opt_group(steps=4)))
-  workdir = str(tmp_path / "run")
-  assert checkpoints.restore_finished(workdir, tiny_model_cfg(), steps=5) is None  # not finished
-  assert checkpoints.restore_finished(str(tmp_path / "none"), tiny_model_cfg(), steps=4) is None
-  restored = checkpoints.restore_finished(workdir, tiny_model_cfg(), steps=4)
-  for a, b in zip(trained, params_of(restored)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  with pytest.raises(ValueError, match="different model"):
-    checkpoints.restore_finished(workdir, tiny_model_cfg(d_model=48), steps=4)
-
-
-def test_checkpoint_from_before_a_model_field_existed_restores(tmp_path, rng):
-  """A checkpoint whose model JSON lacks a field added to ModelConfig since (here qk_norm) holds
-  that field's default: it restores; a changed value is still refused."""
-  import glob
-  import json
-  store = make_cache(tmp_path / "c.zarr", rng)
-  fit(tmp_path, store, opt=opt_group(steps=2))
-  [path] = [p for p in glob.glob(str(tmp_path / "run" / "ckpt" / "2" / "model" / "*"))
-            if '"d_model"' in open(p).read()]
-  with open(path) as f:
-    meta = json.load(f)
-  del meta["qk_norm"]
-  with open(path, "w") as f:
-    json.dump(meta, f)
-  assert checkpoints.restore_finished(str(tmp_path / "run"), tiny_model_cfg(), steps=2)
-  with pytest.raises(ValueError, match="different model.*qk_norm"):
-    checkpoints.restore_finished(str(tmp_path / "run"), tiny_model_cfg(qk_norm=True), steps=2)
 
 
 def test_to_step_batch_shapes_and_one_hot_teacher():
