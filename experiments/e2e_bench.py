@@ -12,15 +12,16 @@ appends one JSON line per configuration to experiments/results/e2e.jsonl (--out 
 student: the config's student (configs/8k.py, configs/32k.py: Llama-3.2-3B shapes, float32
 parameters and AdamW, bf16 compute, the fused loss, K = 100) with RANDOM weights, trained on a
 synthetic compact cache written to local disk first: random tokens packed into `docs` documents
-of unequal length per row, random top-k entries. Steps run through `train.train_step` fed by
-`cache.Loader`, as `train.fit` runs them (fit adds checkpoints and logging). The first step
-compiles; the median of the rest is reported.
+of unequal length per row, random top-k entries. Steps run through `train.Trainer` (its loader's
+`next_batch`, then `step`), as `train.fit` runs them (fit adds checkpoints and reports). The first
+step compiles; the median of the rest is reported.
 
 teacher: a RANDOM-weight Llama-3.1-8B-shaped teacher (bf16; the config's teacher: gpt-oss's with
 configs/gpt_oss.py, its MXFP4 experts random packed codes) writes a compact top-100 cache of
 synthetic packed rows through `teacher.write_cache` (tokens/s with the zarr write), and the
-jitted teacher step alone (device only; its model FLOP/s, forward: a third of the convention
-below; XLA's memory plan of the step, printed before it runs).
+jitted teacher step alone (`teacher.topk_batch`, one batch: device only; its model FLOP/s,
+forward: a third of the convention below; XLA's memory plan of the step, printed before it
+runs).
 
 FLOP convention (model FLOPs, no recomputation): per token 6 N (N = matmul parameters, lm_head
 included) plus attention 12 L H E c, where c is the mean number of keys a query sees (causal,
@@ -181,40 +182,31 @@ def run_student(args) -> dict:
                           vocab=model_cfg.vocab_size, k=c.cache.k)
   print(f"synthetic cache: {rows} rows x {seq_len} in {time.perf_counter() - t0:.1f} s", flush=True)
 
-  tx, _ = train.make_optimizer(c.opt)
-  loss = train.LossSettings.from_config(c.loss, hard_labels=False)
-  graphdef, params = nnx.split(llama.Transformer(model_cfg, rngs=nnx.Rngs(0)))
-  state, grads_sum = train.init_state(params, tx, c.opt)
-  mesh = mesh_of(c)
-  if mesh is not None:  # as train.fit places them
-    state, grads_sum = parallel.place_state(mesh, (state, grads_sum))
+  c.opt.accum_steps = accum
   t0 = time.perf_counter()
-  graphdef, model_cfg = train.resolve_remat(graphdef, model_cfg, state, grads_sum, store, c.opt,
-                                            loss, False, mesh=mesh)
-  print(f"remat {model_cfg.remat} (chosen in {time.perf_counter() - t0:.1f} s)", flush=True)
-  loader = cache.Loader(store, rows, seed=0)
+  # The loop of train.fit without its checkpoints and reports: the same setup (state, mesh
+  # placement, remat "auto", loader) and the same step.
+  trainer = train.Trainer(model=llama.Transformer(model_cfg, rngs=nnx.Rngs(0)),
+                          model_cfg=model_cfg, store=store, opt=c.opt, loss_cfg=c.loss,
+                          hard_labels=False, seed=0, mesh=mesh_of(c))
+  model_cfg = trainer.model_cfg
+  print(f"remat {model_cfg.remat} (set up in {time.perf_counter() - t0:.1f} s)", flush=True)
   plan = {}
-  if mesh is None and (args.memory or not args.steps):
-    plan = print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, c.opt)
+  if trainer.mesh is None and (args.memory or not args.steps):
+    plan = print_memory_analysis(trainer)
   if not args.steps:  # the plan only
-    loader.close()
+    trainer.close()
     return {"kind": "plan", "seq_len": seq_len, "accum_steps": accum, "docs_per_row": args.docs,
             "optimizer_state": f"{c.opt.state_dtype}/{c.opt.state_memory}", "plan_gib": plan}
   times, waits, context = [], [], []
 
   def one_step():
-    nonlocal state, grads_sum
     t0 = time.perf_counter()
-    batch = train.to_step_batch(next(loader), accum, hard_labels=False)
+    batch = trainer.next_batch()
     t1 = time.perf_counter()
     context.append(attention.mean_context(batch["segment_ids"]))
-    max_documents = attention.documents_bound(batch["segment_ids"])
-    if mesh is not None:
-      batch = parallel.place_batch(mesh, batch)
-    state, metrics, grads_sum = train.train_step(
-        state, grads_sum, batch, graphdef=graphdef, tx=tx, loss=loss,
-        state_memory=c.opt.state_memory, max_documents=max_documents, mesh=mesh)
-    jax.block_until_ready((state, metrics))
+    metrics = trainer.step(batch)
+    jax.block_until_ready((trainer.state, metrics))
     times.append(time.perf_counter() - t0)
     waits.append(t1 - t0)
     return metrics
@@ -232,14 +224,14 @@ def run_student(args) -> dict:
     times.pop(), waits.pop(), context.pop()
     profile = profile_summary.summarize(args.profile)
     profile_summary.print_summary(profile)
-  loader.close()
+  trainer.close()
   step_s = float(np.median(times[1:]))
   tokens = rows * seq_len
   per_token = llama.flops_per_token(model_cfg, float(np.mean(context)))
   tflops = per_token * tokens / step_s / 1e12
   return {"kind": "student", "seq_len": seq_len, "accum_steps": accum,
           "batch_size": c.opt.batch_size, "docs_per_row": args.docs, "packed": args.docs > 1,
-          "devices": 1 if mesh is None else mesh.size,
+          "devices": 1 if trainer.mesh is None else trainer.mesh.size,
           "step_s": step_s, "tokens_per_s": tokens / step_s, "model_tflops": tflops,
           "mfu": tflops * 1e12 / reporting.peak_flops() if reporting.peak_flops() else None,
           "peak_gib": peak_gib(),
@@ -251,18 +243,20 @@ def run_student(args) -> dict:
           **({"plan_gib": plan} if plan else {}), **({"profile": profile} if profile else {})}
 
 
-def print_memory_analysis(state, grads_sum, loader, accum, graphdef, tx, loss, opt):
+def print_memory_analysis(trainer: train.Trainer) -> dict:
   """XLA's compiled memory plan of the two programs of a step (GiB), printed and returned."""
+  loader, accum = trainer.loader, trainer.opt.accum_steps
   batch = train.to_step_batch(loader.store.read(np.arange(loader.batch_size)), accum, False)
-  micro = {k: v[0] for k, v in batch.items()}
-  kw = dict(graphdef=graphdef, loss=loss, max_documents=attention.documents_bound(
-      batch["segment_ids"]))
-  _, metrics = jax.eval_shape(functools.partial(train.grad_step, **kw), train.trained(state),
-                              grads_sum, micro)
+  kw = dict(graphdef=trainer.graphdef, loss=trainer.loss,
+            max_documents=attention.documents_bound(batch["segment_ids"]))
+  micro = trainer.targets({k: v[0] for k, v in batch.items()}, kw["max_documents"])
+  trained = train.trained(trainer.state)
+  _, metrics = jax.eval_shape(functools.partial(train.grad_step, **kw), trained,
+                              trainer.grads_sum, micro)
   programs = {
-      "grad_step": train.grad_step.lower(train.trained(state), grads_sum, micro, **kw),
-      "apply_step": train.apply_step.lower(state, grads_sum, [metrics] * accum, tx=tx,
-                                           state_memory=opt.state_memory)}
+      "grad_step": train.grad_step.lower(trained, trainer.grads_sum, micro, **kw),
+      "apply_step": train.apply_step.lower(trainer.state, trainer.grads_sum, [metrics] * accum,
+                                           tx=trainer.tx, state_memory=trainer.opt.state_memory)}
   plan = {}
   for name, lowered in programs.items():
     m = lowered.compile().memory_analysis()
@@ -301,17 +295,17 @@ def run_teacher(args) -> dict:
   kw = dict(k=k, chunk_size=chunk, vocab_size=vocab, hidden=False,
             max_documents=attention.documents_bound(rows["segment_ids"]))
   # XLA's plan first: printed even when the step then runs out of memory
-  memory = teacher._teacher_step.lower(graphdef, state, None, *inputs, **kw).compile(
+  memory = teacher.topk_batch.lower(graphdef, state, None, *inputs, **kw).compile(
       ).memory_analysis()
   plan = {key: round(getattr(memory, f"{key}_size_in_bytes") / 2**30, 2)
           for key in ("argument", "output", "temp")}
   print(f"teacher step plan: weights and inputs {plan['argument']:.2f} GiB, temporaries "
         f"{plan['temp']:.2f} GiB", flush=True)
-  jax.block_until_ready(teacher._teacher_step(graphdef, state, None, *inputs, **kw))  # compiles
+  jax.block_until_ready(teacher.topk_batch(graphdef, state, None, *inputs, **kw))  # compiles
   times = []
   for _ in range(5):
     t0 = time.perf_counter()
-    jax.block_until_ready(teacher._teacher_step(graphdef, state, None, *inputs, **kw))
+    jax.block_until_ready(teacher.topk_batch(graphdef, state, None, *inputs, **kw))
     times.append(time.perf_counter() - t0)
   device_tok_s = batch_size * seq_len / float(np.median(times))
   print(f"teacher step alone: {device_tok_s:,.0f} tokens/s", flush=True)

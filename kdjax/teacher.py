@@ -95,10 +95,12 @@ def topk_logprobs(hidden_BxTxD, lm_head_DxV, *, k, chunk_size):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "k", "chunk_size", "vocab_size",
                                              "max_documents", "hidden"))
-def _teacher_step(graphdef, state, projection_DxH, tokens_BxT, positions_BxT, segment_ids_BxT, *,
-                  k, chunk_size, vocab_size, max_documents, hidden):
-  """Top-k ids and log-probs [B, T, K], and with `hidden` the final hidden states [B, T, H] in
-  bf16 (projected when projection_DxH is not None), else None."""
+def topk_batch(graphdef, state, projection_DxH, tokens_BxT, positions_BxT, segment_ids_BxT, *,
+               k, chunk_size, vocab_size, max_documents, hidden):
+  """One batch's cache rows, as write_cache computes them: top-k ids and log-probs [B, T, K], and
+  with `hidden` the final hidden states [B, T, H] in bf16 (projected when projection_DxH is not
+  None), else None. graphdef, state: nnx.split(teacher); max_documents: see
+  attention.documents_bound."""
   model = nnx.merge(graphdef, state)
   hidden_BxTxD = model(tokens_BxT, positions_BxT, segment_ids_BxT, max_documents)
   # Models may pad their vocabulary for speed; rows past the tokenizer's vocabulary are never
@@ -236,7 +238,7 @@ def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_s
     state = parallel.place_state(mesh, state)
     place = functools.partial(parallel.place_rows, mesh)
   in_flight = parallel.in_flight(mesh)
-  step = functools.partial(_teacher_step, graphdef, state, projection_DxH, k=k,
+  step = functools.partial(topk_batch, graphdef, state, projection_DxH, k=k,
                            chunk_size=chunk_size, vocab_size=vocab_size,
                            hidden=store.hidden_dim > 0)
   total = sum(stop - start for start, stop in todo) * store.seq_len
