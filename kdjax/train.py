@@ -35,6 +35,7 @@ from kdjax.models import attention, llama
 
 TRAINED = ("params", "hidden_proj")  # the state's entries the optimizer updates (when present)
 
+
 @dataclasses.dataclass(frozen=True)
 class LossSettings:
   """The static loss arguments of the jitted step."""
