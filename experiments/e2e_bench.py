@@ -25,8 +25,8 @@ runs).
 
 FLOP convention (model FLOPs, no recomputation): per token 6 N (N = matmul parameters, lm_head
 included) plus attention 12 L H E c, where c is the mean number of keys a query sees (causal,
-within its document: sum over documents of len^2 / 2, over T). MFU divides by reporting.peak_flops()
-(989 TFLOP/s, H200 dense bf16).
+within its document: sum over documents of len^2 / 2, over T). MFU divides by
+reporting.peak_flops() (989 TFLOP/s, H200 dense bf16).
 """
 import argparse
 import datetime
