@@ -270,7 +270,7 @@ class Trainer:
     # Only grows (documents_bound), so the step compiles at most log2(T) times.
     self.max_documents = 1
 
-  def resume(self, run: resume.Run):
+  def restore(self, run: resume.Run):
     """Continues from `run`'s latest checkpoint, if it has one."""
     self.state = run.restore(self.state, self.tx, self.loader)
     self.loader_state = self.loader.state()
@@ -317,7 +317,7 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
   trainer = Trainer(model=model, model_cfg=model_cfg, store=store, opt=opt, loss_cfg=loss_cfg,
                     hard_labels=hard_labels, seed=seed, targets=targets, mesh=mesh)
   run = resume.Run(name, workdir, trainer.model_cfg, opt.keep_checkpoints)
-  trainer.resume(run)
+  trainer.restore(run)
   if run.start >= opt.steps:
     run.close()
     trainer.close()
