@@ -5,8 +5,9 @@ with XLA's own plan of the micro-batch program: the train state and gradient sum
 between steps, measured from the arrays) plus the program's temporaries and its batch. On the
 H200 that sum is the measured peak within 0.2 GiB (BENCHMARKS.md, "Rematerialisation"). Policies
 are tried fastest first (kdjax/models/remat.py AUTO_ORDER), each costing one compilation of the
-micro-batch program, until one fits within MARGIN of the budget; none fitting is a user error
-that names the budget. The margin is measured: at 32K, "names" planned at 96.4 GiB of 104.5 ran
+micro-batch program (74 s at 128K), until one fits within MARGIN of the budget; a policy whose
+kept values alone (remat.saved_bytes_per_token, a lower bound) would exceed it is skipped
+without one. None fitting is a user error that names the budget. The margin is measured: at 32K, "names" planned at 96.4 GiB of 104.5 ran
 out of memory (one 54.5 GiB block of temporaries found no room in one piece).
 """
 import dataclasses
@@ -53,10 +54,19 @@ def budget_bytes(memory_gib: float) -> float | None:
   return stats.get("bytes_limit")
 
 
-def choose(graphdef, model_cfg: llama.ModelConfig, resident, lower, memory_gib: float):
+def tokens_per_device(tokens_BxT) -> int:
+  """Tokens of the micro-batch on its most loaded device."""
+  if isinstance(tokens_BxT, jax.Array):
+    return max(shard.data.size for shard in tokens_BxT.addressable_shards)
+  return int(np.size(tokens_BxT))
+
+
+def choose(graphdef, model_cfg: llama.ModelConfig, resident, tokens: int, lower,
+           memory_gib: float):
   """(graphdef, cfg) with the fastest policy of AUTO_ORDER that fits (cfg.remat is "auto":
-  kdjax.train.resolve_remat calls this only then). resident: the arrays on the device while a micro-batch runs (train
-  state, gradient sum, the micro-batch); lower(graphdef) -> that program lowered with graphdef."""
+  kdjax.train.resolve_remat calls this only then). resident: the arrays on the device while a
+  micro-batch runs (train state, gradient sum, the micro-batch); tokens: the micro-batch's
+  tokens per device; lower(graphdef) -> that program lowered with graphdef."""
   budget = budget_bytes(memory_gib)
   fixed = bytes_per_device(resident)
   tried = []
@@ -64,6 +74,10 @@ def choose(graphdef, model_cfg: llama.ModelConfig, resident, lower, memory_gib: 
     new, cfg = with_policy(graphdef, model_cfg, policy)
     if budget is None:  # no device limit to plan against (CPU): the fastest
       return new, cfg
+    kept = remat.saved_bytes_per_token(cfg, policy) * tokens * cfg.n_layers
+    if fixed + kept > MARGIN * budget:  # certain not to fit: no compilation
+      tried.append(f"{policy} >{(fixed + kept) / GIB:.3g}")
+      continue
     plan = lower(new).compile().memory_analysis()
     need = fixed + plan.temp_size_in_bytes
     tried.append(f"{policy} {need / GIB:.3g}")

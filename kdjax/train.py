@@ -230,7 +230,8 @@ def resolve_remat(graphdef, model_cfg, state, grads_sum, store, opt, loss, hard_
   micro = targets(micro, max_documents)
   lower = lambda g: grad_step.lower(trained(state), grads_sum, micro, graphdef=g, loss=loss,
                                     max_documents=max_documents, mesh=mesh)
-  return remat_auto.choose(graphdef, model_cfg, (state, grads_sum, micro), lower, opt.memory_gib)
+  return remat_auto.choose(graphdef, model_cfg, (state, grads_sum, micro),
+                           remat_auto.tokens_per_device(micro["tokens"]), lower, opt.memory_gib)
 
 
 class Trainer:

@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from kdjax import cache, config, remat_auto, train
+from kdjax.models import remat
 from kdjax.data.packing import next_token_labels
 from kdjax.models import llama
 from kdjax.plots import read_metrics
@@ -243,10 +244,11 @@ def test_online_objective_runs_the_teacher_beside_the_step(tmp_path, rng):
   assert rows[-1]["kl"] < rows[0]["kl"]
 
 
-@pytest.mark.slow  # five compilations and a fit
-def test_remat_auto_takes_the_fastest_policy_that_fits(tmp_path, rng):
+@pytest.mark.slow  # seven compilations and a fit
+def test_remat_auto_takes_the_fastest_policy_that_fits(tmp_path, rng, monkeypatch):
   """remat "auto" plans each policy with XLA (fastest first) and takes the first within the
-  budget's margin; fit trains with it; a budget nothing fits is one clear error."""
+  budget's margin; fit trains with it; a budget nothing fits is one clear error; a policy whose
+  kept values alone exceed the budget is refused without a compilation."""
   store = make_cache(tmp_path / "c.zarr", rng)
   cfg = tiny_model_cfg(remat="auto", n_layers=2)
   tx, _ = train.make_optimizer(opt_group())
@@ -258,15 +260,22 @@ def test_remat_auto_takes_the_fastest_policy_that_fits(tmp_path, rng):
     return train.resolve_remat(graphdef, cfg, state, grads_sum, store,
                                opt_group(memory_gib=memory_gib), loss, False)[1].remat
 
+  def planned(memory_gib):  # policy -> "GiB" as the error of a budget nothing fits names them
+    with pytest.raises(ValueError, match="no remat policy fits") as e:
+      plan(memory_gib)
+    items = str(e.value).split("GiB: ")[1].rstrip(");").split(")")[0].split(", ")
+    return dict(item.split() for item in items)
+
   assert plan(1000.0) == "none"
-  needs = {}  # what choose planned for each policy, read back from its error
-  with pytest.raises(ValueError, match="no remat policy fits") as e:
-    plan(1e-9)
-  for item in str(e.value).split("GiB: ")[1].rstrip(");").split(")")[0].split(", "):
-    policy, gib = item.split()
-    needs[policy] = float(gib)
-  assert set(needs) == {"none", "dots", "names", "full"} and needs["full"] < needs["none"]
-  between = (needs["full"] + min(needs[p] for p in ("none", "dots", "names"))) / 2
-  assert plan(between / remat_auto.MARGIN) == "full"
-  model = fit(tmp_path, store, cfg=cfg, opt=opt_group(steps=2, memory_gib=between / remat_auto.MARGIN))
-  assert model.cfg.remat == "full"
+  # Every policy's kept values exceed a budget of 1e-9 GiB: refused by the bound, not planned.
+  assert all(gib.startswith(">") for gib in planned(1e-9).values())
+  with monkeypatch.context() as m:  # the bound off: every policy compiled and planned
+    m.setattr(remat, "saved_bytes_per_token", lambda *_: -2**60)
+    needs = {p: float(gib) for p, gib in planned(1e-9).items()}
+  assert set(needs) == set(remat.AUTO_ORDER) and needs["full"] < needs["none"]
+  smaller = sorted(set(needs.values()))
+  budget = (smaller[0] + smaller[1]) / 2 / remat_auto.MARGIN  # only the smallest plans fit
+  expected = next(p for p in remat.AUTO_ORDER if needs[p] <= remat_auto.MARGIN * budget)
+  assert plan(budget) == expected
+  model = fit(tmp_path, store, cfg=cfg, opt=opt_group(steps=2, memory_gib=budget))
+  assert model.cfg.remat == expected
