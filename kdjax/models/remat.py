@@ -13,13 +13,14 @@ twice. Between the two, a policy keeps some (jax.checkpoint_policies):
              recompute the rest, attention included.
   "offload"  as "names", but the kept values wait in pinned host memory, not on the GPU: the
              copies overlap the compute when the link keeps up.
-  "attention_host"  keep the attention's outputs (cuDNN's output and log-normalisers) on the
-             GPU and the block's input in pinned host memory; recompute the rest, not the
-             attention's forward. (The einsum attention has no such outputs: "full_host" there.)
+  "attention"  keep the block's input and the attention's outputs (cuDNN's output and
+             log-normalisers); recompute the rest, not the attention's forward. (The einsum
+             attention has no such outputs: "full" there.)
   "full"     keep only the block's input; recompute the whole block (activation memory ~ one
-             block's working set).
-  "full_host"  as "full", the block's input waiting in pinned host memory: no activation stays
-             on the GPU between the forward and the backward (the smallest; 256K rows).
+             block's working set, the smallest).
+
+Offloading the block's input to host memory (a name on it, jax's Offloadable) was measured and
+dropped: at 256K XLA planned 256.85 GiB of temporaries against "full"'s 112.67 (BENCHMARKS.md).
 
 Every policy computes the same loss and gradients (tests/test_models.py); which one is fastest
 and what each costs at the paper's shapes is measured in BENCHMARKS.md ("Rematerialisation").
@@ -29,17 +30,15 @@ unresolved (forward passes: eval, the cache; loops of their own) it runs as "ful
 nothing without a backward pass and the least memory with one.
 """
 import jax
-from jax import ad_checkpoint
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
-POLICIES = ("none", "names", "dots", "offload", "attention_host", "full", "full_host")
+POLICIES = ("none", "names", "dots", "offload", "attention", "full")
 CHOICES = POLICIES + ("auto",)
 # Fastest first, as measured on the H200 (BENCHMARKS.md, "Rematerialisation"); "auto" takes the
 # first that fits. "offload" is left out: slower than "full" there, and larger.
-AUTO_ORDER = ("none", "dots", "names", "attention_host", "full", "full_host")
+AUTO_ORDER = ("none", "dots", "names", "attention", "full")
 SAVED = ("query", "key", "value", "attention", "mlp_gate", "mlp_up")
-BLOCK_INPUT = "block_input"  # the block's input, as the host policies name it
 # The cuDNN attention's forward primitive (jax.nn.dot_product_attention, implementation "cudnn"):
 # its outputs are what the attention's backward reads besides q, k, v.
 CUDNN_ATTENTION_FWD = "dot_product_attention_fwd_wrapper"
@@ -58,15 +57,10 @@ def normalize(remat) -> str:
   return remat
 
 
-def _host_policy(saved_primitives: tuple[str, ...]):
-  """The block's input offloaded to pinned host memory, the outputs of saved_primitives kept on
-  the device, everything else recomputed."""
-  def policy(prim, *_, **params):
-    if prim.name == "name" and params.get("name") == BLOCK_INPUT:
-      return ad_checkpoint.Offloadable(src="device", dst="pinned_host")
-    if prim.name in saved_primitives:
-      return ad_checkpoint.Saveable
-    return ad_checkpoint.Recompute
+def _save_primitives(names: tuple[str, ...]):
+  """Keep the outputs of the primitives named, recompute everything else."""
+  def policy(prim, *_, **__):
+    return prim.name in names
   return policy
 
 
@@ -79,18 +73,14 @@ def wrap(fn, remat: str):
   policies = jax.checkpoint_policies
   policy = {
       "full": policies.nothing_saveable,
-      "full_host": _host_policy(()),
-      "attention_host": _host_policy((CUDNN_ATTENTION_FWD,)),
+      "attention": _save_primitives((CUDNN_ATTENTION_FWD,)),
       "names": policies.save_only_these_names(*SAVED),
       "dots": policies.dots_with_no_batch_dims_saveable,
       "offload": policies.save_and_offload_only_these_names(
           names_which_can_be_saved=[], names_which_can_be_offloaded=list(SAVED),
           offload_src="device", offload_dst="pinned_host"),
   }[remat]
-
-  def named(module, x, *rest):  # the input a residual of its own, so a policy may offload it
-    return fn(module, checkpoint_name(x, BLOCK_INPUT), *rest)
-  return nnx.remat(named, policy=policy)
+  return nnx.remat(fn, policy=policy)
 
 
 def saved_bytes_per_token(cfg, policy: str) -> int:
@@ -100,7 +90,7 @@ def saved_bytes_per_token(cfg, policy: str) -> int:
   when this bound times tokens and layers already exceeds the budget."""
   d, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
   f = cfg.d_ff * max(cfg.experts_per_token, 1)
-  values = {"full_host": 0, "attention_host": q, "full": d, "offload": d,
+  values = {"attention": d + q, "full": d, "offload": d,
             "names": d + q + 2 * kv + q + 2 * f,  # input, q, k, v, attention, gate, up
             "dots": d + q + 2 * kv + d + 2 * f + d,  # input and every projection's output
             "none": d + q + 2 * kv + q + 3 * f}  # input, q, k, v, attention, gate, up, SiLU
