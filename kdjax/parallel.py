@@ -13,8 +13,8 @@ V, H, G, F; `spec_of`): the lm_head by vocabulary, the body Megatron-style. The 
 partitioned by XLA from these placements; the fused loss, whose kernels XLA cannot partition,
 runs per device under `shard_map` on its own rows and its own vocabulary columns
 (`sharded_loss`; the kernels' statistics combined across the tensor axis per chunk,
-kdjax.loss.chunked.combine_shards): each device's masked mean is turned into the global one with
-psums.
+kdjax.loss.projection.combine_shards): each device's masked mean is turned into the global one
+with psums.
 
 The teacher (cache stage) of a run whose mesh has several devices is sharded over each process's
 own devices (`teacher_mesh`: its weights split over them as they load, a batch's rows too), so a

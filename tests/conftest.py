@@ -55,6 +55,9 @@ def pytest_configure(config):
 # (most of it compiling) on 2 busy cores (`pytest -n 2 -m "not slow" --durations=60`,
 # 2026-12-03): the whole suite runs them. file -> test functions (every parametrisation).
 HEAVY = {
+    "test_attention.py": ("test_documents_in_several_cudnn_calls",
+                          "test_einsum_attention_in_query_blocks",
+                          "test_one_document_rows_through_cudnn_with_sinks"),
     "test_evaluate.py": ("test_matches_dense_float64_reference",
                          "test_online_matches_dense_float64_reference"),
     "test_experiments.py": ("test_help",),
@@ -67,10 +70,8 @@ HEAVY = {
     "test_hidden.py": ("test_step_loss_adds_the_weighted_term_and_trains_the_projection",
                        "test_teacher_caches_its_final_hidden_states",
                        "test_training_with_the_hidden_term"),
-    "test_models.py": ("test_bfloat16_close_to_float32", "test_documents_in_several_cudnn_calls",
-                       "test_einsum_attention_in_query_blocks", "test_gqa_equals_mha_with_repeated_kv",
-                       "test_every_remat_policy_gives_the_loss_and_gradients_of_none",
-                       "test_one_document_rows_through_cudnn_with_sinks"),
+    "test_models.py": ("test_bfloat16_close_to_float32", "test_gqa_equals_mha_with_repeated_kv",
+                       "test_every_remat_policy_gives_the_loss_and_gradients_of_none"),
     "test_moe.py": ("test_packed_documents_equal_separate_runs",),
     "test_mxfp4.py": ("test_packed_checkpoint_round_trip", "test_packed_logits_equal_dequantised"),
     "test_prune.py": ("test_all_kept_is_the_teacher_exactly",),

@@ -8,11 +8,13 @@
     for batch in cache.Loader(store, batch_size=8, seed=0): ...
 
 Shape letters: S rows (sequences), T positions, K top-k entries. See ARCHITECTURE.md.
-`python -m kdjax.cache info|verify PATH` inspects a store. Crash safety: store.py; attributes and
-their checksum: attributes.py; fault injection for tests: failpoints.py.
+`python -m kdjax.cache info|verify PATH` inspects a store. Crash safety: store.py; create() and
+open(): opening.py; attributes and their checksum: attributes.py; fault injection for tests:
+failpoints.py.
 """
 from kdjax.cache.loader import Loader
 from kdjax.cache.errors import CacheError
-from kdjax.cache.store import Store, create, open
+from kdjax.cache.opening import create, open
+from kdjax.cache.store import Store
 
 __all__ = ["CacheError", "Loader", "Store", "create", "open"]

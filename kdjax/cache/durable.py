@@ -6,6 +6,8 @@ whole file or none of it.
 """
 import builtins
 import concurrent.futures
+import contextlib
+import errno
 import json
 import os
 
@@ -73,3 +75,17 @@ def read_json(path, fix):
   if not isinstance(obj, dict):
     raise CacheError(f"{path} holds {type(obj).__name__}, not a JSON object. {fix}")
   return obj
+
+
+@contextlib.contextmanager
+def disk_full_is_a_cache_error(path):
+  """Within: a full disk (or quota) is a CacheError that says to free space and re-run."""
+  try:
+    yield
+  except (OSError, ValueError) as e:  # tensorstore raises ValueError("RESOURCE_EXHAUSTED: ...")
+    if getattr(e, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) and (
+        "RESOURCE_EXHAUSTED" not in str(e)):
+      raise
+    raise CacheError(f"{path}: no space left on the device (or over quota): {e}. Free space (or "
+                     f"point the store at a bigger disk) and re-run the same command: it resumes "
+                     f"with the regions not yet recorded; no recorded region was lost.") from e

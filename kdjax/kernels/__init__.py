@@ -1,7 +1,8 @@
 """Pallas kernels, each beside its plain jnp reference (tests assert kernel == reference).
 
   logit_passes  row passes over a chunk's float32 logits (Triton): exp_pass, dense_grad; their
-                references exp_pass_reference, dense_grad_reference. Run by kdjax.loss.chunked.
+                references exp_pass_reference, dense_grad_reference. Run by kdjax.loss.projection
+                and kdjax.loss.chunked.
   mgpu          the logits matmul writing exp in its epilogue (Mosaic GPU, Hopper): logits_exp;
                 reference logits_exp_reference. Run by kdjax.loss.fused.
   grouped       the grouped matmuls of a mixture of experts (Mosaic GPU): grouped_matmul;

@@ -1,29 +1,22 @@
 """The chunked fused loss: a scan over position chunks, gradients computed in forward.
 
-Per chunk of C positions: logits z = h_c W ([C, V] float32), then ONE pass over z (an exp pass,
-kdjax.kernels.logit_passes)
-that returns the row sums of exp(z / tau - shift) and writes E = exp(z / tau - shift) rounded to
-the matmul dtype, for a per-row shift fixed before the pass. The dense part of dL/dz is then
+Per chunk of C positions a `project` (projection.py) computes the logits z = h_c W and ONE exp
+pass over them, which returns the row sums of exp(z / tau - shift) and writes
+E = exp(z / tau - shift) rounded to the matmul dtype. The dense part of dL/dz is then
 a * softmax(z / tau) = (a / sum) * E: a per-row scale r, which the gradient matmuls absorb for
 free, dh_c = r * (E W^T) and dW += (r * h_c)^T E, so no second pass over z is needed to
 normalise. The K (+1) exact entries at the top-k ids and label are scattered into E divided by
 r. Three [C, D] x [D, V]-sized matmuls per chunk, the work floor; a custom_vjp hands the
 precomputed gradients to the backward pass, which only scales them by the incoming cotangent.
-Without differentiation only the forward projection and the sums run.
-
-The shift is the largest student logit among the chunk's top-k ids and label, known before the
-pass (it is gathered from z). An exp pass must shift a row by its own maximum instead when the
-row's maximum exceeds the given shift by more than logit_passes.SHIFT_LIMIT (in units of
-z / tau), which keeps E <= e^SHIFT_LIMIT and the sums within [1, V e^SHIFT_LIMIT]. CE at
-tau != 1 needs two softmaxes in dL/dz: there the pass only sums and a second pass (`dense_grad`)
-writes dL/dz.
+Without differentiation only the forward projection and the sums run. CE at tau != 1 needs two
+softmaxes in dL/dz: there the pass only sums and a second pass (`dense_grad`) writes dL/dz.
 
 Chunks never pad the big arrays: chunk i starts at min(i * C, N - C), so the last chunk overlaps
 the previous one and its already-counted rows get weight 0 (and keep their dh); default_chunk
-picks C to keep that overlap small. The driver takes a `project` (a chunk's projection and exp
-pass) and a `dense_grad`: impl "xla" is it with the passes' XLA references (`xla_loss`), impl
-"pallas_exact" with their Pallas kernels (`exact_loss`), impl "pallas" (fused.py) with the
-logits matmul and exp fused into one kernel.
+picks C to keep that overlap small. The driver takes a `project` and a `dense_grad`: impl "xla"
+is it with the passes' XLA references (`xla_loss`), impl "pallas_exact" with their Pallas
+kernels (`exact_loss`), impl "pallas" (fused.py) with the logits matmul and exp fused into one
+kernel.
 
 Why no jax.checkpoint option: rematerialising instead (a checkpointed scan that recomputes each
 chunk's logits in the backward pass) would cost a fourth matmul per chunk and save nothing, since
@@ -40,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from kdjax.kernels import logit_passes
-from kdjax.loss import objectives
+from kdjax.loss import objectives, projection
 
 # Per chunk the working set is the [C, V] float32 logits plus E in the matmul dtype, 6 * C * V
 # bytes. It gets at least MIN_WORKING_SET_BYTES, or a fifth of the memory the loss cannot avoid
@@ -79,58 +72,15 @@ def default_chunk(num_rows: int, dim: int, vocab: int, dtype, spec=None, entry_b
   return min(sizes, key=lambda c: -(-num_rows // c) * (c + CHUNK_COST_ROWS))
 
 
-def softmax_scales(spec: objectives.LossSpec) -> tuple:
-  """Multipliers of z whose softmax normalisers the loss needs: 1 / tau, and 1 for CE at tau != 1."""
-  return (1.0 / spec.temperature, 1.0) if spec.two_softmax else (1.0 / spec.temperature,)
-
-
 def writes_dense(spec: objectives.LossSpec) -> bool:
   """Whether dL/dz's dense part is one softmax, so the exp pass can write it (see module doc)."""
   return not (spec.two_softmax and spec.ce_weight != 0.0)
-
-
-def normalisers(sums, shift_C, spec):
-  """(logsumexp(z / tau), logsumexp(z)) from an exp pass's sums and shift."""
-  lse_s_C = shift_C / spec.temperature + jnp.log(sums[0])
-  lse_z_C = shift_C + jnp.log(sums[1]) if spec.two_softmax else lse_s_C
-  return lse_s_C, lse_z_C
 
 
 def chunk_start(i, num_rows, chunk):
   start = jnp.minimum(i * chunk, num_rows - chunk)
   fresh_C = start + jnp.arange(chunk) >= i * chunk
   return start, fresh_C
-
-
-def gather_rows(logits_CxV, ids_CxK, labels_C):
-  """z at the ids and labels; an id of -1 (another shard's, see local_ids) reads column 0."""
-  zk_CxK = jnp.take_along_axis(logits_CxV, jnp.maximum(ids_CxK, 0), axis=-1)
-  zl_C = jnp.take_along_axis(logits_CxV, jnp.maximum(labels_C, 0)[:, None], axis=-1)[:, 0]
-  return zk_CxK, zl_C
-
-
-def local_ids(ids, offset, width: int):
-  """Vocabulary ids as columns of the shard [offset, offset + width), -1 where outside it."""
-  local = ids - offset
-  return jnp.where((local >= 0) & (local < width), local, -1)
-
-
-class Stats(NamedTuple):
-  """A projection's per-position statistics (with stats=True)."""
-  top_C: jax.Array  # the row maximum of z
-  xex_C: jax.Array  # sum_V exp(x) * x for x = (z - shift) / tau
-  slack: float      # the most zk may lie from its exact value (0: exact)
-
-
-class Projection(NamedTuple):
-  """What a chunk's `project` returns."""
-  logits_CxV: jax.Array | None  # float32 z, None where it is never materialised (fused.py)
-  e_CxV: jax.Array | None       # E = exp((z - shift) / tau) in dtype, None if dtype is None
-  sums: tuple                   # per softmax_scales, [C]: sum_V exp((z - shift) * scale)
-  shift_C: jax.Array
-  zk_CxK: jax.Array             # z at the top-k ids
-  zl_C: jax.Array               # z at the labels
-  stats: Stats | None
 
 
 class RowSums(NamedTuple):
@@ -156,63 +106,22 @@ class ChunkTerms(NamedTuple):
   terms: dict           # objectives.row_terms, + "entropy" and "top1" with stats
 
 
-def combine_shards(axis, ids_CxK, labels_C, proj: Projection, spec) -> Projection:
-  """A vocabulary-sharded chunk's statistics over the whole vocabulary (the paper's
-  tensor-parallel loss): each shard's sums, taken against its own shift, rescaled to the largest
-  shift of any shard and summed; the top-k and label logits from the shard that holds them (ids
-  local, -1 elsewhere). Returns proj as a project over all shards would."""
-  psum = lambda x: jax.lax.psum(x, axis)
-  zk_CxK = psum(jnp.where(ids_CxK >= 0, proj.zk_CxK, 0.0))
-  zl_C = psum(jnp.where(labels_C >= 0, proj.zl_C, 0.0))
-  top_shift_C = jax.lax.pmax(proj.shift_C, axis)
-  gaps = [(proj.shift_C - top_shift_C) * s for s in softmax_scales(spec)]  # <= 0
-  sums = tuple(psum(s_C * jnp.exp(gap_C)) for s_C, gap_C in zip(proj.sums, gaps))
-  stats = proj.stats
-  if stats is not None:  # sum exp(x) x against the new shift: e^g (sum exp(x) x + g sum exp(x))
-    stats = Stats(jax.lax.pmax(stats.top_C, axis),
-                  psum(jnp.exp(gaps[0]) * (stats.xex_C + gaps[0] * proj.sums[0])), stats.slack)
-  return proj._replace(sums=sums, shift_C=top_shift_C, zk_CxK=zk_CxK, zl_C=zl_C, stats=stats)
-
-
-def logits_project(exp_pass: Callable) -> Callable:
-  """A chunk's projection with its float32 logits materialised: XLA's matmul, the top-k and
-  label logits gathered from it (exact), then one exp pass (logit_passes' contract) over it
-  shifted by their maximum.
-
-  project(h [C, D], W [D, V], ids [C, K], labels [C], spec, dtype, stats=False) -> Projection
-  with E in dtype (None if dtype is None) and, with stats, the statistics for per-position terms.
-  """
-
-  def project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats=False):
-    logits_CxV = jnp.einsum("cd,dv->cv", hidden_CxD, lm_head_DxV,
-                            preferred_element_type=jnp.float32)
-    zk_CxK, zl_C = gather_rows(logits_CxV, ids_CxK, labels_C)
-    hint_C = jnp.max(zk_CxK, axis=-1)
-    if spec.has_labels:
-      hint_C = jnp.maximum(hint_C, zl_C)
-    out = exp_pass(logits_CxV, hint_C, softmax_scales(spec), dtype, stats)
-    return Projection(logits_CxV, out.e_CxV, out.sums, out.shift_C, zk_CxK, zl_C,
-                      Stats(out.top_C, out.xex_C, 0.0) if stats else None)
-
-  return project
-
-
 def chunk_terms(hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, project, dtype,
                 stats=False, axis=None) -> ChunkTerms:
-  """One chunk's projection (a `project` as from logits_project) and its loss terms.
+  """One chunk's projection (a `project` as from projection.logits_project) and its loss terms.
 
   dtype: the matmul dtype if E is wanted (gradients with a one-softmax dense part), else None.
   axis: None, or the shard_map axis lm_head's vocabulary is split over (ids and labels then
-  local_ids; the statistics combined over it, combine_shards).
+  projection.local_ids; the statistics combined over it, projection.combine_shards).
   With stats the terms also hold the per-position "entropy" and "top1" (see position_terms).
   """
   proj = project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype, stats)
   own_sum_C = divisor_C = proj.sums[0]
   if axis is not None:
     own_shift_C = proj.shift_C
-    proj = combine_shards(axis, ids_CxK, labels_C, proj, spec)
+    proj = projection.combine_shards(axis, ids_CxK, labels_C, proj, spec)
     divisor_C = proj.sums[0] * jnp.exp((proj.shift_C - own_shift_C) / spec.temperature)
-  lse_s_C, lse_z_C = normalisers(proj.sums, proj.shift_C, spec)
+  lse_s_C, lse_z_C = projection.normalisers(proj.sums, proj.shift_C, spec)
   terms = objectives.row_terms(proj.zk_CxK, proj.zl_C, lse_s_C, lse_z_C, logp_CxK, spec)
   if stats:
     terms.update(position_terms(proj.sums[0], proj.stats, proj.zk_CxK, logp_CxK))
@@ -220,7 +129,7 @@ def chunk_terms(hidden_CxD, lm_head_DxV, ids_CxK, logp_CxK, labels_C, spec, proj
                     Gathered(proj.zk_CxK, proj.zl_C, lse_s_C, lse_z_C), terms)
 
 
-def position_terms(sum_C, stats: Stats, zk_CxK, logp_CxK):
+def position_terms(sum_C, stats: projection.Stats, zk_CxK, logp_CxK):
   """Per-position statistics from what the projection already computed (no extra pass):
   entropy of the student softmax at temperature tau, log S - sum(exp(x) x) / S for
   S = sum(exp(x)), x = (z - shift) / tau; top1: whether the student's largest logit is the
@@ -263,7 +172,7 @@ def chunk_dlogits(chunk: ChunkTerms, ids_CxK, labels_C, w_C, spec, dtype, dense_
   ent_ids_CxJ, ent_vals_CxJ = objectives.sparse_entries(ids_CxK, labels_C, *gathered, terms, w_C,
                                                         spec)
   width = (chunk.logits_CxV if chunk.e_CxV is None else chunk.e_CxV).shape[1]
-  ent_ids_CxJ = local_ids(ent_ids_CxJ, offset, width)
+  ent_ids_CxJ = projection.local_ids(ent_ids_CxJ, offset, width)
   if chunk.e_CxV is None:  # two softmaxes: a second pass writes dL/dz itself
     dense_CxV = dense_grad(chunk.logits_CxV, gathered.lse_s_C, gathered.lse_z_C, a_C, b_C, spec,
                            dtype)
@@ -311,8 +220,9 @@ def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec
 
   axis: None, or the shard_map axis whose i-th device holds lm_head's vocabulary columns
   [i * V, (i + 1) * V) (ids and labels are global): the kernels run on the shard and the
-  statistics are combined across it per chunk (combine_shards); every shard returns the same
-  loss terms, its share of dh (its columns' part: summed over the axis it is dh) and its dW."""
+  statistics are combined across it per chunk (projection.combine_shards); every shard returns
+  the same loss terms, its share of dh (its columns' part: summed over the axis it is dh) and its
+  dW."""
   num_rows, _ = hidden_NxD.shape
   vocab = lm_head_DxV.shape[1]
   offset = 0 if axis is None else jax.lax.axis_index(axis) * vocab
@@ -326,8 +236,8 @@ def chunked_loss(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, spec
     ids_CxK, labels_C = take(ids_NxK, start), take(labels_N, start)
     w_C = jnp.where(fresh_C, take(w_N, start), 0.0)
     chunk_C = chunk_terms(
-        h_CxD, lm_head_DxV, local_ids(ids_CxK, offset, vocab), take(logp_NxK, start),
-        local_ids(labels_C, offset, vocab), spec, project, e_dtype, per_position, axis)
+        h_CxD, lm_head_DxV, projection.local_ids(ids_CxK, offset, vocab), take(logp_NxK, start),
+        projection.local_ids(labels_C, offset, vocab), spec, project, e_dtype, per_position, axis)
     terms = chunk_C.terms
     carry = carry._replace(kl=carry.kl + jnp.sum(w_C * terms["kl"]),
                            ce=carry.ce + jnp.sum(w_C * terms["ce"]),
@@ -397,7 +307,7 @@ def build_fused_loss(project: Callable, dense_grad: Callable):
 
 # impl "xla": the driver with the passes' XLA references; impl "pallas_exact": with their Pallas
 # (Triton) kernels (also impl "pallas"'s path where its fused kernel does not apply, fused.py).
-xla_loss = build_fused_loss(logits_project(logit_passes.exp_pass_reference),
+xla_loss = build_fused_loss(projection.logits_project(logit_passes.exp_pass_reference),
                             logit_passes.dense_grad_reference)
-exact_project = logits_project(logit_passes.exp_pass)
+exact_project = projection.logits_project(logit_passes.exp_pass)
 exact_loss = build_fused_loss(exact_project, logit_passes.dense_grad)

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from kdjax.kernels import logit_passes, mgpu
-from kdjax.loss import chunked, objectives
+from kdjax.loss import chunked, objectives, projection
 
 # The fused path (see fused_project) shifts a chunk's rows by 0 and repeats the chunk with each
 # row shifted by its maximum when some row's max z / tau lies outside [SAFE_LOW, SAFE_HIGH]: then
@@ -69,9 +69,10 @@ def default_chunk(num_rows: int, dim: int, vocab: int, dtype, spec=None) -> int:
 
 
 def fused_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype,
-                  stats=False) -> chunked.Projection:
-  """chunked.logits_project's contract from one kernel: the logits matmul writes E = exp(z / tau)
-  in bf16 and per-tile row sums and maxima (mgpu.logits_exp); no [C, V] float32 array exists.
+                  stats=False) -> projection.Projection:
+  """projection.logits_project's contract from one kernel: the logits matmul writes
+  E = exp(z / tau) in bf16 and per-tile row sums and maxima (mgpu.logits_exp); no [C, V] float32
+  array exists.
 
   Shift 0, unless a row's maximum leaves [SAFE_LOW, SAFE_HIGH] (in z / tau): then the chunk is
   computed again, each row shifted by its maximum, into the same E (a while loop run 0 or 1
@@ -99,7 +100,7 @@ def fused_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype,
       (jnp.int32(0), row_sums([sum_PxC] + xex)))
   e_CxV = jax.freeze(e_ref)
   ids_CxJ = jnp.concatenate([ids_CxK, labels_C[:, None]], axis=-1)
-  in_shard_CxJ = ids_CxJ >= 0  # -1: another vocabulary shard's id (chunked.local_ids)
+  in_shard_CxJ = ids_CxJ >= 0  # -1: another vocabulary shard's id (projection.local_ids)
   ids_CxJ = jnp.maximum(ids_CxJ, 0)
   e_CxJ = jnp.take_along_axis(e_CxV, ids_CxJ, axis=-1).astype(jnp.float32)
   tiny = jnp.finfo(jnp.float32).tiny  # bf16's smallest normal too
@@ -107,9 +108,9 @@ def fused_project(hidden_CxD, lm_head_DxV, ids_CxK, labels_C, spec, dtype,
   z_CxJ = exact_logits_where((e_CxJ < tiny) & in_shard_CxJ, z_CxJ, hidden_CxD, lm_head_DxV,
                              ids_CxJ)
   # Per-position statistics: a read-back logit lies within tau * 2^-8 of its exact value.
-  row_stats = chunked.Stats(tau * top_C, xex_C[0], tau * 2.0 ** -8) if stats else None
-  return chunked.Projection(None, e_CxV, (sum_C,), tau * shift_C, z_CxJ[:, :-1], z_CxJ[:, -1],
-                            row_stats)
+  row_stats = projection.Stats(tau * top_C, xex_C[0], tau * 2.0 ** -8) if stats else None
+  return projection.Projection(None, e_CxV, (sum_C,), tau * shift_C, z_CxJ[:, :-1],
+                               z_CxJ[:, -1], row_stats)
 
 
 def exact_logits_where(todo_CxJ, z_CxJ, hidden_CxD, lm_head_DxV, ids_CxJ):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from kdjax.kernels import logit_passes
-from kdjax.loss import chunked, objectives
+from kdjax.loss import chunked, objectives, projection
 
 CHUNK = 4096
 
@@ -39,8 +39,8 @@ def _normalisers(hidden_NxD, lm_head_DxV, spec, chunk):
     start = jnp.minimum(i * chunk, num_rows - chunk)
     h_CxD = jax.lax.dynamic_slice_in_dim(hidden_NxD, start, chunk)
     out = logit_passes.exp_pass_reference(_logits(h_CxD, lm_head_DxV), None,
-                                          chunked.softmax_scales(spec), None)
-    lse_s_C, lse_z_C = chunked.normalisers(out.sums, out.shift_C, spec)
+                                          projection.softmax_scales(spec), None)
+    lse_s_C, lse_z_C = projection.normalisers(out.sums, out.shift_C, spec)
     put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=0)
     return (put(lse[0], lse_s_C), put(lse[1], lse_z_C)), None
 
@@ -56,7 +56,7 @@ def _sums(hidden_NxD, lm_head_DxV, ids_NxK, logp_NxK, w_N, labels_N, lse, spec, 
   def body(sums, i):
     start, fresh_C = chunked.chunk_start(i, num_rows, chunk)
     logits_CxV = _logits(take(hidden_NxD, start), lm_head_DxV)
-    zk_CxK, zl_C = chunked.gather_rows(logits_CxV, take(ids_NxK, start), take(labels_N, start))
+    zk_CxK, zl_C = projection.gather_rows(logits_CxV, take(ids_NxK, start), take(labels_N, start))
     terms = objectives.row_terms(zk_CxK, zl_C, take(lse[0], start), take(lse[1], start),
                                  take(logp_NxK, start), spec)
     w_C = jnp.where(fresh_C, take(w_N, start), 0.0)
@@ -98,7 +98,7 @@ def _bwd(spec, chunk, dw_dtype, per_position, axis, residuals, cotangents):
     ids_CxK, labels_C = take(ids_NxK, start), take(labels_N, start)
     logits_CxV = _logits(h_CxD, lm_head_DxV)
     lse_s_C, lse_z_C = take(lse[0], start), take(lse[1], start)
-    zk_CxK, zl_C = chunked.gather_rows(logits_CxV, ids_CxK, labels_C)
+    zk_CxK, zl_C = projection.gather_rows(logits_CxV, ids_CxK, labels_C)
     terms = objectives.row_terms(zk_CxK, zl_C, lse_s_C, lse_z_C, take(logp_NxK, start), spec)
     w_C = jnp.where(fresh_C, take(g_w_N, start), 0.0)
     chunk_C = chunked.ChunkTerms(logits_CxV, None, None,
