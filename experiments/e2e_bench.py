@@ -71,8 +71,6 @@ SWEEP = {
                   f"student.remat=offload {ONE_ROW}",
     "8k-full": "student --config configs/8k.py --docs 4 --memory --set "
                f"student.remat=full {ONE_ROW}",
-    "8k-attention": "student --config configs/8k.py --docs 4 --memory --set "
-                    f"student.remat=attention {ONE_ROW}",
     # Two rows per micro-batch (16 of them per step), the same 32 x 8K tokens.
     "8k-none-b2": "student --config configs/8k.py --docs 4 --memory --set student.remat=none "
                   "--set opt.batch_size=2 --set opt.accum_steps=16",
@@ -82,8 +80,6 @@ SWEEP = {
     "32k": "student --config configs/32k.py --docs 8 --steps 2",
     "32k-dots": "student --config configs/32k.py --docs 8 --steps 2 --memory --set student.remat=dots "
                 "--mem-fraction 0.92",
-    "32k-attention": "student --config configs/32k.py --docs 8 --steps 2 --memory "
-                     "--set student.remat=attention",
     "32k-accum4": "student --config configs/32k.py --docs 8 --accum 4",
     "32k-1doc": "student --config configs/32k.py --docs 1 --accum 4",
     # The 128K step's single 46 GiB block of temporaries needs that much free in one piece: more
@@ -91,8 +87,8 @@ SWEEP = {
     "128k": "student --config configs/32k.py --seq-len 131072 --docs 16 --accum 1 --steps 4 "
             "--memory",
     # 256K: XLA plans 112.67 GiB of temporaries + 18.15 of arguments with remat full and the
-    # moments in host memory (`--steps 0`); 0.97 of the GPU holds that, and no plan is
-    # compiled first (~170 s each at 256K).
+    # moments in host memory (`--steps 0`); at 0.97 of the GPU the temporaries found no room in
+    # one piece (2026-12-03): 256K does not train yet. No plan compiled first (~170 s at 256K).
     "256k": "student --config configs/32k.py --seq-len 262144 --docs 32 --accum 1 --steps 3 "
             "--mem-fraction 0.97 --set opt.state_memory=host --set student.remat=full",
     "teacher-8k": "teacher --seq-len 8192 --docs 4 --rows 64",

@@ -51,8 +51,7 @@ class ModelConfig:
   dtype: str = "float32"      # activation / matmul dtype
   param_dtype: str = "float32"  # parameter storage dtype
   # What each block keeps for its backward pass (kdjax/models/remat.py): "full" (recompute the
-  # block: least memory), "attention", "names", "dots", "offload", "none" (keep all: fastest),
-  # "auto".
+  # block: least memory), "names", "dots", "offload", "none" (keep all: fastest), "auto".
   remat: str = "full"
   attention_impl: str = "auto"  # "auto" (cuDNN on GPU in bf16, else einsum), "einsum", "cudnn"
   # Mixtures of experts (Qwen3-MoE, gpt-oss): every layer's MLP is n_experts SwiGLU experts of

@@ -13,14 +13,13 @@ twice. Between the two, a policy keeps some (jax.checkpoint_policies):
              recompute the rest, attention included.
   "offload"  as "names", but the kept values wait in pinned host memory, not on the GPU: the
              copies overlap the compute when the link keeps up.
-  "attention"  keep the block's input and the attention's outputs (cuDNN's output and
-             log-normalisers); recompute the rest, not the attention's forward. (The einsum
-             attention has no such outputs: "full" there.)
   "full"     keep only the block's input; recompute the whole block (activation memory ~ one
              block's working set, the smallest).
 
-Offloading the block's input to host memory (a name on it, jax's Offloadable) was measured and
-dropped: at 256K XLA planned 256.85 GiB of temporaries against "full"'s 112.67 (BENCHMARKS.md).
+Measured and dropped (BENCHMARKS.md, "Long rows"): the block's input offloaded to pinned host
+memory (a checkpoint_name on it, jax's Offloadable): XLA planned 256.85 GiB of temporaries at
+256K against "full"'s 112.67; and keeping cuDNN's attention outputs besides the input (a policy
+on its forward primitive): 218.57 GiB planned at 128K against "full"'s 45.75.
 
 Every policy computes the same loss and gradients (tests/test_models.py); which one is fastest
 and what each costs at the paper's shapes is measured in BENCHMARKS.md ("Rematerialisation").
@@ -33,15 +32,12 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
-POLICIES = ("none", "names", "dots", "offload", "attention", "full")
+POLICIES = ("none", "names", "dots", "offload", "full")
 CHOICES = POLICIES + ("auto",)
 # Fastest first, as measured on the H200 (BENCHMARKS.md, "Rematerialisation"); "auto" takes the
 # first that fits. "offload" is left out: slower than "full" there, and larger.
-AUTO_ORDER = ("none", "dots", "names", "attention", "full")
+AUTO_ORDER = ("none", "dots", "names", "full")
 SAVED = ("query", "key", "value", "attention", "mlp_gate", "mlp_up")
-# The cuDNN attention's forward primitive (jax.nn.dot_product_attention, implementation "cudnn"):
-# its outputs are what the attention's backward reads besides q, k, v.
-CUDNN_ATTENTION_FWD = "dot_product_attention_fwd_wrapper"
 
 
 def name(value_BxTx_: jax.Array, tag: str) -> jax.Array:
@@ -57,13 +53,6 @@ def normalize(remat) -> str:
   return remat
 
 
-def _save_primitives(names: tuple[str, ...]):
-  """Keep the outputs of the primitives named, recompute everything else."""
-  def policy(prim, *_, **__):
-    return prim.name in names
-  return policy
-
-
 def wrap(fn, remat: str):
   """fn (a block's call: module first, then arrays) under the policy; "none" returns fn."""
   if remat == "none":
@@ -73,7 +62,6 @@ def wrap(fn, remat: str):
   policies = jax.checkpoint_policies
   policy = {
       "full": policies.nothing_saveable,
-      "attention": _save_primitives((CUDNN_ATTENTION_FWD,)),
       "names": policies.save_only_these_names(*SAVED),
       "dots": policies.dots_with_no_batch_dims_saveable,
       "offload": policies.save_and_offload_only_these_names(
@@ -90,7 +78,7 @@ def saved_bytes_per_token(cfg, policy: str) -> int:
   when this bound times tokens and layers already exceeds the budget."""
   d, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
   f = cfg.d_ff * max(cfg.experts_per_token, 1)
-  values = {"attention": d + q, "full": d, "offload": d,
+  values = {"full": d, "offload": d,
             "names": d + q + 2 * kv + q + 2 * f,  # input, q, k, v, attention, gate, up
             "dots": d + q + 2 * kv + d + 2 * f + d,  # input and every projection's output
             "none": d + q + 2 * kv + q + 3 * f}  # input, q, k, v, attention, gate, up, SiLU
