@@ -9,7 +9,7 @@ Prints a report: the student's KL to the teacher and held-out cross-entropy befo
 distillation, next to the hard-label student. Outputs in runs/demo/; the student as a Hugging Face
 checkpoint in runs/demo/export/.
 Variants: configs/demo.py:smoke (tiny shapes, for tests), configs/demo.py:large (a 27M-parameter
-teacher on 6 MB of the corpus, the same student; for a GPU: experiments/fidelity.py).
+teacher on 6 MB of the corpus, the same student; for a GPU: experiments/studies/fidelity.py).
 """
 from kdjax import config
 

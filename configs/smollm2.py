@@ -10,7 +10,8 @@ variant runs the same stages on CPU in a few minutes on a small slice.
 The student starts pruned from its teacher (init.from_teacher: 10 of 30 layers, width 576 -> 384,
 heads 9/3 -> 6/2, MLP 1536 -> 1024), 35M parameters against the teacher's 135M;
 `configs/smollm2.py:scratch` starts the same shapes from a random init. Prints the held-out report
-(teacher, student before and after, hard labels); experiments/smollm2_study.py runs every arm.
+(teacher, student before and after, hard labels); experiments/studies/smollm2_study.py runs every
+arm.
 """
 from kdjax import config
 

@@ -4,7 +4,7 @@
 
 Runs in the side venv (kdjax.side_venv; Python 3.11: the CPU torch build these machines carry),
 never in kdjax's venv, and imports nothing from kdjax; tests/fixtures/hf_side.py and
-experiments/smollm2_study.py run it. jobs.json:
+experiments/studies/smollm2_study.py run it. jobs.json:
 
     {"make":   [{"dir", "model_type", "config": {...}, "seed", "max_shard_size" (or null),
                  "tokenizer_vocab" (or null)}],

@@ -236,8 +236,8 @@ def resolve_remat(graphdef, model_cfg, state, grads_sum, store, opt, loss, hard_
 
 class Trainer:
   """A run's optimizer, train state, jitted steps and loader, set up as `fit` runs them: `step`
-  runs one optimizer step on a batch of `next_batch` (experiments/e2e_bench.py times the same).
-  Arguments: see `fit`."""
+  runs one optimizer step on a batch of `next_batch` (experiments/bench/e2e_bench.py times the
+  same). Arguments: see `fit`."""
 
   def __init__(self, *, model: nnx.Module, model_cfg: llama.ModelConfig, store, opt, loss_cfg,
                hard_labels: bool, seed: int, targets=None, mesh: Mesh | None = None):

@@ -1,10 +1,10 @@
-"""experiments/cache_floor.py's measures on inputs whose answers are known by hand (BENCHMARKS.md's
+"""experiments/studies/cache_floor.py's measures on inputs whose answers are known by hand (BENCHMARKS.md's
 floors of a top-k cache rest on them).
 
 Letters: S rows, T positions, K top-k entries.
 """
 import numpy as np
-from experiments import cache_floor
+from experiments.studies import cache_floor
 
 
 def test_tie_order_bits_counts_the_orders_of_equal_levels():

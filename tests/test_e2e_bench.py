@@ -1,4 +1,5 @@
-"""experiments/e2e_bench.py runs as committed: its student and teacher modes on a CPU-sized config."""
+"""experiments/bench/e2e_bench.py runs as committed: its student and teacher modes on a CPU-sized
+config."""
 import json
 import subprocess
 import sys
@@ -12,7 +13,7 @@ def run(tmp_path, *args, config="configs/8k.py:smoke", devices=1):
   out = tmp_path / "e2e.jsonl"
   env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-  subprocess.run([sys.executable, "experiments/e2e_bench.py", *args, "--config",
+  subprocess.run([sys.executable, "experiments/bench/e2e_bench.py", *args, "--config",
                   config, "--seq-len", "128", "--docs", "3", "--json", str(out),
                   "--dir", str(tmp_path / "work")], check=True, env=env)
   return json.loads(out.read_text().splitlines()[-1])
@@ -50,11 +51,12 @@ def test_gpt_oss_modes(tmp_path):
 
 
 def test_paper_table_runs_all_four_methods(tmp_path):
-  """experiments/paper_table.py as committed, on a CPU-sized config: the three offline methods
-  optimise the same sparse KL, so they agree on the loss."""
+  """experiments/bench/paper_table.py as committed, on a CPU-sized config: the three offline
+  methods optimise the same sparse KL, so they agree on the loss."""
   out = tmp_path / "table.jsonl"
-  subprocess.run([sys.executable, "experiments/paper_table.py", "--config", "configs/8k.py:smoke",
-                  "--micro-steps", "1", "--out", str(out), "--dir", str(tmp_path / "work")],
+  subprocess.run([sys.executable, "experiments/bench/paper_table.py",
+                  "--config", "configs/8k.py:smoke", "--micro-steps", "1", "--out", str(out),
+                  "--dir", str(tmp_path / "work")],
                  check=True, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
   rows = {r["method"]: r for r in map(json.loads, out.read_text().splitlines())}
   assert set(rows) == {"online", "dense", "chunked", "ours"}

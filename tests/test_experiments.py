@@ -1,7 +1,8 @@
-"""Every script in experiments/ starts as experiments/README.md runs it, `python
-experiments/NAME.py` from the repository root: `--help` exits 0, so its imports resolve (a renamed
-kdjax module fails here). The cheap ones also run on a CPU; e2e_bench.py and paper_table.py runs
-are in test_e2e_bench.py. kdjax's scripts for the side venv (torch) compile.
+"""Every script in experiments/ (bench/, studies/, archive/) starts as experiments/README.md runs
+it, `python experiments/FOLDER/NAME.py` from the repository root: `--help` exits 0, so its imports
+resolve (a renamed kdjax module or a moved sibling fails here). The cheap ones also run on a CPU;
+e2e_bench.py and paper_table.py runs are in test_e2e_bench.py, cache_floor.py's in
+test_cache_floor.py. kdjax's scripts for the side venv (torch) compile.
 """
 import glob
 import json
@@ -13,28 +14,35 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = sorted(os.path.splitext(os.path.basename(path))[0]
-                 for path in glob.glob(os.path.join(ROOT, "experiments", "*.py")))
+# FOLDER/NAME of every script
+SCRIPTS = sorted(os.path.splitext(os.path.relpath(path, os.path.join(ROOT, "experiments")))[0]
+                 for path in glob.glob(os.path.join(ROOT, "experiments", "*", "*.py")))
 # Scripts without --help, and why; their work sits under `if __name__ == "__main__"`, so an
 # import runs none of it.
 IMPORT_ONLY = {
-    "demo_ab": "the A/B studies' shared module: no entry point",
-    "loss_bench_report": "loss_bench.py's table and plot: no entry point",
-    "mgpu_probe": "positional M K V, no flags: --help would run the full-size probe",
+    "studies/demo_ab": "the demo studies' shared module: no entry point",
+    "bench/loss_bench_report": "loss_bench.py's table and plot: no entry point",
+    "bench/mgpu_probe": "positional M K V, no flags: --help would run the full-size probe",
 }
 WITH_HELP = [name for name in SCRIPTS if name not in IMPORT_ONLY]
-# Runs each script as `python experiments/NAME.py --help` would (its folder heading sys.path,
+# Runs each script as `python experiments/FOLDER/NAME.py --help` would (its folder heading sys.path,
 # __name__ "__main__"; an IMPORT_ONLY one as a module), in one interpreter rather than one each:
-# {name: [exit status, stdout]}.
+# {name: [exit status, stdout]}. Each starts from the same sys.path with no experiment module
+# loaded, so none resolves its imports through another's sys.path entries.
 EVERY_SCRIPT = """
-import contextlib, io, json, runpy, sys, traceback
+import contextlib, io, json, os, runpy, sys, traceback
+base = sys.path[1:]
 results = {}
 for name, main in json.loads(sys.argv[1]).items():
   path = f"experiments/{name}.py"
-  sys.argv, sys.path[0], out, status = [path, "--help"], "experiments", io.StringIO(), 0
+  for key in [key for key, module in sys.modules.items()
+              if os.sep + "experiments" + os.sep in (getattr(module, "__file__", None) or "")]:
+    del sys.modules[key]
+  sys.path[:] = [os.path.dirname(path), *base]
+  sys.argv, out, status = [path, "--help"], io.StringIO(), 0
   with contextlib.redirect_stdout(out):
     try:
-      runpy.run_path(path, run_name="__main__" if main else name)
+      runpy.run_path(path, run_name="__main__" if main else os.path.basename(name))
     except SystemExit as e:
       status = e.code or 0
     except BaseException:
@@ -82,7 +90,7 @@ def test_side_venv_scripts_compile(name, tmp_path):
 
 
 def test_cache_read_bench_tiny(tmp_path):
-  proc = run(["experiments/cache_read_bench.py", "--dir", str(tmp_path), "--rows", "8",
+  proc = run(["experiments/bench/cache_read_bench.py", "--dir", str(tmp_path), "--rows", "8",
               "--seq-len", "64", "--k", "4", "--vocab", "100", "--batch-size", "2",
               "--batches", "2"])
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -93,7 +101,7 @@ def test_cache_read_bench_tiny(tmp_path):
 def test_pipeline_bench_smoke(tmp_path):
   """The documented CPU check: every stage on the smoke config, a 2048-entry tokenizer."""
   out = tmp_path / "pipeline.jsonl"
-  proc = run(["experiments/pipeline_bench.py", "--config", "configs/8k.py:smoke", "--small",
+  proc = run(["experiments/bench/pipeline_bench.py", "--config", "configs/8k.py:smoke", "--small",
               "--work", str(tmp_path / "work"), "--out", str(out)], timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(out.read_text().splitlines()[-1])
@@ -106,7 +114,8 @@ def test_moe_matmul_bench_small(tmp_path):
   """The grouped-matmul benchmark on one small shape: a JSON line with every timing, the
   kernels' results (here the reference's: no GPU) equal to ragged_dot's."""
   out = tmp_path / "mm.jsonl"
-  proc = run(["experiments/moe_matmul_bench.py", "--small", "--tokens", "64", "--out", str(out)])
+  proc = run(["experiments/bench/moe_matmul_bench.py", "--small", "--tokens", "64",
+              "--out", str(out)])
   assert proc.returncode == 0, proc.stderr[-3000:]
   line = json.loads(out.read_text())
   for name in ("ragged_dot", "kernel", "kernel_transposed", "kernel_backward", "dense"):
@@ -121,7 +130,7 @@ def test_fidelity_smoke(tmp_path):
   objective, online, and the best objective's temperature-2, CE-mix and hidden-state arms, as
   JSON lines."""
   out = tmp_path / "fidelity.jsonl"
-  proc = run(["experiments/fidelity.py", "--variant", "smoke", "--seeds", "0", "--ks", "4",
+  proc = run(["experiments/studies/fidelity.py", "--variant", "smoke", "--seeds", "0", "--ks", "4",
               "--out", str(tmp_path / "runs"), "--results", str(out)], timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = [json.loads(line) for line in out.read_text().splitlines()]

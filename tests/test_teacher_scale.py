@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow  # whole runs in subprocesses: not in the fast sub
 
 ROWS, REGION_ROWS = 36, 2
 REGIONS = ROWS // REGION_ROWS  # each hit once per region: write() takes whole regions of 1 batch
-POINTS = ("batch", "data", "after_data", "after_record")  # every point: experiments/cache_faults.py
+# every point (experiments/studies/cache_faults.py injects them all)
+POINTS = ("batch", "data", "after_data", "after_record")
 
 
 def spawn(tmp_path, rank=0, world=1, failpoint=""):

@@ -40,15 +40,16 @@ TOPK_ARRAYS = ("topk_ids", "topk_logprobs")
 HIDDEN_ARRAY = "hidden"
 # 2**-11 nats: an entry's probability is off by at most 0.025% relative, and loss and gradients
 # by ~1e-4 (5e-4 for a student close to the teacher) of a float32 cache, for ~13 bytes per position
-# more than 2**-10 (experiments/cache_compact.py). 65535 steps cover 32 nats; entries below
+# more than 2**-10 (experiments/studies/cache_compact.py). 65535 steps cover 32 nats; entries below
 # -32 (p < 1.3e-14) are clipped there.
 LOGPROB_SCALE = 2.0**-11
 MAX_GAP = np.iinfo(np.uint16).max
 # Packed: 2**-12 above p0 halves compact's error on the entries that carry the loss; p0 = 2**-9
 # puts every entry below ~0.2% on an absolute grid of p0 * s = 4.8e-7. Measured against float32
-# on SmolLM2's cache and Zipf teachers of V = 128256 and 201088 (experiments/cache_compact.py):
-# loss and gradient errors below compact's on all three, 23-30 bytes per position fewer. p0 = 2**-7
-# saves 15 more, but its loss error is compact's (tiny entries weigh log p in the loss).
+# on SmolLM2's cache and Zipf teachers of V = 128256 and 201088
+# (experiments/studies/cache_compact.py): loss and gradient errors below compact's on all three,
+# 23-30 bytes per position fewer. p0 = 2**-7 saves 15 more, but its loss error is compact's (tiny
+# entries weigh log p in the loss).
 PACKED_SCALE = 2.0**-12
 PACKED_OFFSET = 2.0**-9
 
@@ -73,7 +74,7 @@ def array_metadata(name, shape, dtype, region_rows, layout="float32"):
   """zarr v3 metadata of one array of a store."""
   # Top-k ids of a real teacher are concentrated on frequent tokens, so their high bits are
   # mostly zero: bit shuffle measured ~5% smaller than byte shuffle on the demo's V = 2048
-  # (experiments/cache_compact.py). Packed keeps byte shuffle: 1-4% smaller on SmolLM2's
+  # (experiments/studies/cache_compact.py). Packed keeps byte shuffle: 1-4% smaller on SmolLM2's
   # V = 49152 and on Zipf ids at V = 128256.
   bits = name == "topk_ids" and layout != "packed"
   return zarr_metadata(shape, dtype, region_rows, shuffle="bitshuffle" if bits else None)

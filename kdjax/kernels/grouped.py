@@ -23,7 +23,7 @@ memory by TMA, wgmma with a float32 accumulator, the tile stored by TMA):
 the kernels on a GPU for bf16/f16 operands whose widths tile (`applies`), and its reference
 (jax.lax.ragged_dot on the same layout) otherwise: on CPU, for float32, and for shapes the kernels
 do not tile. Why kernels: XLA's ragged_dot on the H200 ran far below the matmul peak at gpt-oss's
-expert counts (experiments/moe_matmul_bench.py; BENCHMARKS.md, MoE: its figures).
+expert counts (experiments/bench/moe_matmul_bench.py; BENCHMARKS.md, MoE: its figures).
 Off GPU the kernels run in Mosaic GPU's interpreter, so CPU tests cover the same code.
 
 Shape letters (ARCHITECTURE.md's legend, with its meanings in this module and models/moe.py): X

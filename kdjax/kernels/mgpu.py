@@ -16,7 +16,7 @@ tiles through shared memory with TMA, two compute warpgroups each owning BM rows
 shared-memory slots with TMA. Needs C % (2 * BM) == 0, V % BN == 0, D % BK == 0 (`fits`).
 Off GPU it runs in Mosaic GPU's interpreter, so CPU tests cover the same code.
 
-Its speed against XLA's dot: experiments/mgpu_probe.py, BENCHMARKS.md.
+Its speed against XLA's dot: experiments/bench/mgpu_probe.py, BENCHMARKS.md.
 
 Reference: `logits_exp_reference` (XLA). Shape letters: C rows (a chunk of positions), D model
 width (the contraction), V vocabulary, P column tiles, W columns per tile; BM, BN, BK are the

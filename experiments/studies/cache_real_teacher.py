@@ -1,7 +1,7 @@
 """A float32 top-k cache of a real pretrained teacher on real text, on CPU, for cache_layouts.py.
 
-    JAX_PLATFORMS=cpu python experiments/cache_real_teacher.py --hf ~/.cache/kdjax/smollm2/hf \
-        --out /tmp/real_cache --max-bytes 1000000
+    JAX_PLATFORMS=cpu python experiments/studies/cache_real_teacher.py \
+        --hf ~/.cache/kdjax/smollm2/hf --out /tmp/real_cache --max-bytes 1000000
 
 Tokenises the Python standard library (sources.documents("stdlib"), capped at --max-bytes of
 text) with the checkpoint's tokenizer into rows of --seq-len, then writes the teacher's top-k

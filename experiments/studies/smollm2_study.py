@@ -1,10 +1,10 @@
 """Does kdjax make a better student from a real pretrained teacher? SmolLM2-135M-Instruct into a
 35M student (configs/smollm2.py), every objective against hard labels and online distillation.
 
-    python -m kdjax.smollm2 --out runs/smollm2             # teacher checkpoint + corpora, once
-    python experiments/smollm2_study.py --root runs/smollm2 [--processes 3]  # resumable
-    python experiments/smollm2_study.py --root runs/smollm2 --perplexity     # transformers' view
-    python experiments/smollm2_study.py --table            # the table and plot from the results
+    python -m kdjax.smollm2 --out runs/smollm2     # teacher checkpoint + corpora, once
+    python experiments/studies/smollm2_study.py --root runs/smollm2 [--processes 3]  # resumable
+    python experiments/studies/smollm2_study.py --root runs/smollm2 --perplexity  # transformers'
+    python experiments/studies/smollm2_study.py --table   # the table and plot from the results
 
 Arms, each in its own workdir under ROOT/study/ on one shared data store and one cache (the
 teacher's top-100 and its final hidden states through a fixed projection to 144 columns; arms
@@ -33,16 +33,16 @@ import time
 import jax
 import numpy as np
 
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # sibling scripts
-                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # kdjax, configs
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.join(REPO, "experiments", "bench"),  # e2e_bench
+                REPO]  # kdjax, configs
 import e2e_bench  # noqa: E402
 from configs import smollm2  # noqa: E402
 from kdjax import build, cache, evaluate, pipeline  # noqa: E402
 from kdjax.workdir import Paths  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "smollm2.jsonl")
-HF_REFERENCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kdjax",
-                            "hf_reference.py")
+RESULTS = os.path.join(REPO, "experiments", "results", "smollm2.jsonl")
+HF_REFERENCE = os.path.join(REPO, "kdjax", "hf_reference.py")
 HIDDEN_DIM = 144  # the cached hidden states: the teacher's 576 columns projected to a quarter
 METRICS = ("ce", "full_kl", "top1", "ece")
 PERPLEXITY_ROWS = 32  # held-out rows whose documents transformers scores per exported student

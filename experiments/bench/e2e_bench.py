@@ -1,10 +1,10 @@
 """The training step and the teacher's cache writing, end to end, at the paper's shapes.
 
-    python experiments/e2e_bench.py sweep 8k 32k 128k teacher-8k teacher-32k   # the H200 run
-    python experiments/e2e_bench.py sweep --list                               # every name
-    python experiments/e2e_bench.py plot                                       # results -> PNG
-    python experiments/e2e_bench.py student --config configs/8k.py --accum 2 --docs 4 \
-        --set opt.accum_dtype=bfloat16                                         # one, by hand
+    python experiments/bench/e2e_bench.py sweep 8k 32k 128k teacher-8k teacher-32k  # the H200 run
+    python experiments/bench/e2e_bench.py sweep --list                              # every name
+    python experiments/bench/e2e_bench.py plot                                      # results -> PNG
+    python experiments/bench/e2e_bench.py student --config configs/8k.py --accum 2 --docs 4 \
+        --set opt.accum_dtype=bfloat16                                              # one, by hand
 
 `sweep` runs each named configuration in a process of its own (peak memory cannot be reset) and
 appends one JSON line per configuration to experiments/results/e2e.jsonl (--out to change).
@@ -44,11 +44,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # kdjax
 from kdjax import build, cache, config, parallel, reporting, teacher, train  # noqa: E402
 from kdjax.models import attention, llama  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "e2e.jsonl")
+RESULTS = os.path.join(ROOT, "experiments", "results", "e2e.jsonl")
 
 # One row per micro-batch, 32 per step (configs/8k.py takes two rows x 16 since 2026-12-03).
 ONE_ROW = "--set opt.batch_size=1 --set opt.accum_steps=32"
@@ -430,7 +431,7 @@ def main():
     p.add_argument("--dir", default="/tmp/kdjax_e2e")
     p.add_argument("--profile", default="",
                    help="student: trace one more step into this directory and summarise it "
-                        "(experiments/profile_summary.py)")
+                        "(experiments/bench/profile_summary.py)")
   args = parser.parse_args()
   if args.mode in ("sweep", "plot"):
     return sweep(args) if args.mode == "sweep" else plot(args)

@@ -1,10 +1,10 @@
 """Loss-head benchmark: time and peak memory of loss + both gradients, one process per config.
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python experiments/loss_bench.py sweep --out DIR \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python experiments/bench/loss_bench.py sweep --out DIR \
         --configs A:32768:pallas,A:32768:liger,...   # or --set quick / --set long
-    python experiments/loss_bench.py check           # pallas/xla/paper vs f32 reference
-    python experiments/loss_bench.py dwcheck A:32768,A:1048576   # bf16 vs f32 dW accumulation
-    python experiments/loss_bench.py plot DIR/results.jsonl
+    python experiments/bench/loss_bench.py check           # pallas/xla/paper vs f32 reference
+    python experiments/bench/loss_bench.py dwcheck A:32768,A:1048576   # bf16 vs f32 dW accumulation
+    python experiments/bench/loss_bench.py plot DIR/results.jsonl
 
 A config is SHAPE:TOKENS:IMPL[:CHUNK]; IMPL may carry options after "+" (XLA_FLAGS in OPTIONS):
 "f32dw" accumulates dlm_head in float32 (dw_dtype); "notriton": every matmul by cuBLAS;

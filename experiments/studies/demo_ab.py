@@ -6,7 +6,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # kdjax, configs
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # kdjax, configs
 from configs import demo  # noqa: E402
 from kdjax import pipeline  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Where a profiled step's GPU time goes: the top kernels, and shares by kind of work.
 
-    python experiments/profile_summary.py TRACE_DIR [--top 25]
+    python experiments/bench/profile_summary.py TRACE_DIR [--top 25]
 
 TRACE_DIR is what `jax.profiler.trace(TRACE_DIR, create_perfetto_trace=True)` wrote (e2e_bench.py
 student --profile DIR does so around one step). Reads its perfetto_trace.json.gz and sums the

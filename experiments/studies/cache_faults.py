@@ -1,7 +1,7 @@
 """Fault injection on teacher caches: is each fault detected, what does it cost, is the repaired
 cache byte-identical to one written without faults?
 
-    JAX_PLATFORMS=cpu python experiments/cache_faults.py [--trials 40] [--seed 0] \
+    JAX_PLATFORMS=cpu python experiments/studies/cache_faults.py [--trials 40] [--seed 0] \
         [--layouts compact,packed]
 
 Per layout: writes a small data store and a reference cache with a stand-in teacher (two matrices: a
@@ -51,7 +51,7 @@ ATTRIBUTES = {"vocab_size": V - 4, "k": K - 1, "layout": "float32", "logprob_sca
               "tokenizer_hash": "other", "teacher_hash": "other", "region_rows": 3}
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 layout = "compact"  # of the caches written; main() sets it per table
 
 

@@ -1,6 +1,6 @@
 """Does reading the top-k logits back from the bf16 E hurt a student that is CLOSE to the teacher?
 
-experiments/topk_from_e_ab.py found no effect of the recovery (top-k and label logits as
+experiments/archive/topk_from_e_ab.py found no effect of the recovery (top-k and label logits as
 shift + tau * log(E), ~2^-9 relative error in each q_k) on the demo student, which stays ~0.2 nats
 from the teacher. Near the teacher the exact dL/dz entries a * q_k - p_k cancel, so that error is
 relatively larger. Here the student has the teacher's architecture and starts from the teacher's
@@ -11,7 +11,7 @@ with bf16 matmuls at a fine-tuning learning rate, arms "exact" and "from_e" as i
 topk_from_e_ab.py, with the same init and data order per seed, for each objective ("tail" is the
 demo's; "sparse" leans hardest on the exact entries, a * q_k - p_k with a = M).
 
-    python experiments/topk_from_e_near_ab.py [--seeds 0,1] [--objectives tail,sparse]
+    python experiments/archive/topk_from_e_near_ab.py [--seeds 0,1] [--objectives tail,sparse]
         [--noise 0.2] [--lr 1e-4] [--steps 100] [--prep runs/topk_from_e_ab]
         [--out runs/topk_from_e_near_ab]
 
@@ -32,8 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # sibling scripts
-                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # kdjax, configs
+                os.path.join(ROOT, "experiments", "studies"),  # demo_ab
+                ROOT]  # kdjax, configs
 import demo_ab  # noqa: E402
 import topk_from_e_ab  # noqa: E402
 from kdjax import cache, evaluate, pipeline  # noqa: E402

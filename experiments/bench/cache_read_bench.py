@@ -1,6 +1,7 @@
 """Reading throughput of a teacher cache from local disk, through cache.Loader (shuffled, prefetched).
 
-    python experiments/cache_read_bench.py --dir /tmp/read_bench --rows 96 --seq-len 8192 --k 100
+    python experiments/bench/cache_read_bench.py --dir /tmp/read_bench --rows 96 --seq-len 8192 \
+        --k 100
 
 Builds (once; reused when present) a cache of synthetic teacher outputs with the given shape and
 layout, then times `--batches` shuffled batches of `--batch-size` rows through cache.Loader, after

@@ -1,8 +1,8 @@
 """The experts' grouped matmuls at gpt-oss's shapes: kdjax's kernels (kdjax/kernels/grouped.py)
 against XLA's `jax.lax.ragged_dot` and one dense matmul of the same routed FLOPs.
 
-    python experiments/moe_matmul_bench.py                      # 20b and 120b shapes, 8K tokens
-    python experiments/moe_matmul_bench.py --tokens 256 --small # a check on CPU (interpreter)
+    python experiments/bench/moe_matmul_bench.py                       # 20b, 120b shapes, 8K tokens
+    python experiments/bench/moe_matmul_bench.py --tokens 256 --small  # a check on CPU (interpreter)
 
 For each shape: N tokens routed to U of X experts (Y = N U assignments, random routing, so groups
 of unequal size), [Y, D] x [X, D, F] -> [Y, F] in bf16 with float32 accumulation. Reported
@@ -27,12 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # e2e_bench; kdjax
 import e2e_bench  # noqa: E402
 from kdjax.kernels import grouped  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "moe_matmul.jsonl")
+RESULTS = os.path.join(ROOT, "experiments", "results", "moe_matmul.jsonl")
 # name -> (X experts, U per token, D, F): gate/up (F = 2 x 2880, interleaved) and down projections
 SHAPES = {"gpt-oss-20b": (32, 4, 2880, 5760), "gpt-oss-20b-down": (32, 4, 2880, 2880),
           "gpt-oss-120b": (128, 4, 2880, 5760)}

@@ -1,11 +1,12 @@
 """How small can a top-k cache be? Entropy floors and measured codings of its ids and log-probs.
 
-    python experiments/cache_floor.py --cache /tmp/cb/real/cache.zarr --allow-partial --rows 176
-    python experiments/cache_floor.py --synthetic-vocab 201088 --rows 32 --seq-len 512 \
+    python experiments/studies/cache_floor.py --cache /tmp/cb/real/cache.zarr --allow-partial \
+        --rows 176
+    python experiments/studies/cache_floor.py --synthetic-vocab 201088 --rows 32 --seq-len 512 \
         --loss-positions 1024
 
-Rows as experiments/cache_compact.py reads or makes them (a float32 cache, or its synthetic Zipf
-teacher). Sizes are bytes per position (B/pos) of an array written as a store writes it
+Rows as experiments/studies/cache_compact.py reads or makes them (a float32 cache, or its
+synthetic Zipf teacher). Sizes are bytes per position (B/pos) of an array written as a store writes it
 (row-sharded zarr v3, blosc zstd 5, crc32c; cache_compact.disk_bytes) or, where a table says
 "entropy", the empirical entropy of the stated model: what an ideal coder of that model would
 need, with no container. Three tables:
@@ -35,8 +36,8 @@ import sys
 import tempfile
 import time
 
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # sibling scripts
-                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # kdjax
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # cache_compact; kdjax
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

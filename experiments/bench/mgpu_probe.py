@@ -1,7 +1,8 @@
 """Probe: kdjax.kernels.mgpu.logits_exp (the logits matmul writing exp in its epilogue) against
 XLA's dot of the same shape, with a bf16 and a float32 output, on one GPU; tile variants.
 
-    PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python experiments/mgpu_probe.py [M K V]
+    PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false \
+        python experiments/bench/mgpu_probe.py [M K V]
 """
 import dataclasses
 import json

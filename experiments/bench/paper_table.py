@@ -1,12 +1,12 @@
 """The paper's four distillation methods at 8K, side by side on one GPU (its end-to-end table).
 
-    python experiments/paper_table.py                  # all four, one process each
-    python experiments/paper_table.py --methods ours   # one
+    python experiments/bench/paper_table.py                  # all four, one process each
+    python experiments/bench/paper_table.py --methods ours   # one
 
 The paper's setting: 8K context, a ~3.2B Llama student (configs/8k.py: float32 parameters and
 AdamW, bf16 compute), global batch 32 x 8K as 32 micro-batches of one row, an 8B-class teacher.
 RANDOM weights of those shapes; synthetic packed rows (4 documents each) and a synthetic compact
-top-100 cache, as experiments/e2e_bench.py writes them. The methods differ only in the loss:
+top-100 cache, as experiments/bench/e2e_bench.py writes them. The methods differ only in the loss:
 
   online     the teacher (Llama-3.1-8B shapes, bf16) runs in the step; full-vocabulary KL between
              its logits and the student's, both materialised [T, V]
@@ -37,14 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # e2e_bench; kdjax
 import e2e_bench  # noqa: E402
 from kdjax import build, train  # noqa: E402
 from kdjax.models import attention, llama  # noqa: E402
 
 METHODS = ("online", "dense", "chunked", "ours")
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "paper_table.jsonl")
+RESULTS = os.path.join(ROOT, "experiments", "results", "paper_table.jsonl")
 PAPER = {"online": (102.8, 25.9, 237), "dense": (78.3, 18.5, 331), "chunked": (61.8, 18.4, 335),
          "ours": (58.3, 20.2, 304)}  # the paper's (GB, s / iteration, TFLOP/s); "ours" = its fused
 CHUNK = 1024

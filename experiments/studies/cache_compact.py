@@ -1,11 +1,11 @@
 """Bytes per position and loss/gradient accuracy of top-k encodings, on a float32 teacher cache.
 
-    python experiments/cache_compact.py --cache runs/demo/cache/train.zarr --rows 256
-    python experiments/cache_compact.py --synthetic-vocab 201088 --rows 16 --seq-len 512 \
+    python experiments/studies/cache_compact.py --cache runs/demo/cache/train.zarr --rows 256
+    python experiments/studies/cache_compact.py --synthetic-vocab 201088 --rows 16 --seq-len 512 \
         --loss-positions 1024
 
 Reads `--rows` rows of a float32 cache (real teacher outputs, e.g. the demo's, or SmolLM2's from
-experiments/cache_real_teacher.py), or without --cache makes rows of a synthetic teacher
+experiments/studies/cache_real_teacher.py), or without --cache makes rows of a synthetic teacher
 (`synthetic`: Zipf ids drifting between consecutive positions, realistic log-prob profiles),
 re-encodes the top-k arrays in each candidate encoding (the compact and packed layouts among
 them), writes them as sharded zarr v3 arrays exactly as a store does (one shard per region, zstd
