@@ -1,0 +1,69 @@
+"""The named configurations of `e2e_bench.py sweep NAMES` (`sweep --list` prints them): each
+name's e2e_bench.py arguments, one configuration per process."""
+
+# One row per micro-batch, 32 per step (configs/8k.py takes two rows x 16 since 2026-12-03).
+ONE_ROW = "--set opt.batch_size=1 --set opt.accum_steps=32"
+# name -> command-line arguments of one configuration
+SWEEP = {
+    "8k": "student --config configs/8k.py --docs 4 --memory",
+    "8k-f32acc": "student --config configs/8k.py --docs 4 --set opt.accum_dtype=float32",
+    "8k-1doc": "student --config configs/8k.py --docs 1",
+    "8k-bf16state": "student --config configs/8k.py --docs 4 --set opt.state_dtype=bfloat16",
+    "8k-host": "student --config configs/8k.py --docs 4 --set opt.state_memory=host",
+    # What each block keeps for its backward pass (kdjax/models/remat.py), one row per
+    # micro-batch; "8k" is the config's (auto, two rows).
+    "8k-none": "student --config configs/8k.py --docs 4 --memory --set "
+               f"student.remat=none {ONE_ROW}",
+    "8k-names": "student --config configs/8k.py --docs 4 --memory --set "
+                f"student.remat=names {ONE_ROW}",
+    "8k-dots": "student --config configs/8k.py --docs 4 --memory --set "
+               f"student.remat=dots {ONE_ROW}",
+    "8k-offload": "student --config configs/8k.py --docs 4 --memory --set "
+                  f"student.remat=offload {ONE_ROW}",
+    "8k-full": "student --config configs/8k.py --docs 4 --memory --set "
+               f"student.remat=full {ONE_ROW}",
+    # Two rows per micro-batch (16 of them per step), the same 32 x 8K tokens.
+    "8k-none-b2": "student --config configs/8k.py --docs 4 --memory --set student.remat=none "
+                  "--set opt.batch_size=2 --set opt.accum_steps=16",
+    "8k-names-b2": "student --config configs/8k.py --docs 4 --memory --set student.remat=names "
+                   "--set opt.batch_size=2 --set opt.accum_steps=16",
+    "8k-accum1": "student --config configs/8k.py --docs 4 --accum 1 --steps 6",
+    "32k": "student --config configs/32k.py --docs 8 --steps 2",
+    "32k-dots": "student --config configs/32k.py --docs 8 --steps 2 --memory --set student.remat=dots "
+                "--mem-fraction 0.92",
+    "32k-accum4": "student --config configs/32k.py --docs 8 --accum 4",
+    "32k-1doc": "student --config configs/32k.py --docs 1 --accum 4",
+    # The 128K step's single 46 GiB block of temporaries needs that much free in one piece: more
+    # than JAX's own 75% of the GPU leaves (the config's mesh.memory_fraction, 0.92, does).
+    "128k": "student --config configs/32k.py --seq-len 131072 --docs 16 --accum 1 --steps 4 "
+            "--memory",
+    # 256K: XLA plans 112.67 GiB of temporaries + 18.15 of arguments with remat full and the
+    # moments in host memory (`--steps 0`); at 0.97 of the GPU the temporaries found no room in
+    # one piece (2026-12-03): 256K does not train yet. No plan compiled first (~170 s at 256K).
+    "256k": "student --config configs/32k.py --seq-len 262144 --docs 32 --accum 1 --steps 3 "
+            "--mem-fraction 0.97 --set opt.state_memory=host --set student.remat=full",
+    "teacher-8k": "teacher --seq-len 8192 --docs 4 --rows 64",
+    "teacher-32k": "teacher --seq-len 32768 --docs 8 --rows 16",
+    # Two GPUs (sweep 8k 8k-dp2 teacher-8k-b2 teacher-8k-fsdp2 teacher-70b-8k-fsdp2 in one call:
+    # the ratios to one GPU). The same 32 rows per step as `8k`, 16 rows per GPU; the teacher
+    # sharded over both (weights over fsdp, a batch's 2 rows one per GPU) against one GPU with
+    # the same batch of 2; a Llama-3.1-70B-shaped teacher (141 GB of bf16 weights, more than one
+    # H200 holds) built sharded over both.
+    "8k-dp2": "student --config configs/8k.py --docs 4 --set mesh.data=2 --set opt.batch_size=2 "
+              "--set opt.accum_steps=16",
+    "teacher-8k-b2": "teacher --seq-len 8192 --docs 4 --rows 64 --set cache.batch_size=2",
+    "teacher-8k-fsdp2": "teacher --seq-len 8192 --docs 4 --rows 64 --set cache.batch_size=2 "
+                        "--set mesh.fsdp=2 --set opt.batch_size=2",
+    "teacher-70b-8k-fsdp2": "teacher --seq-len 8192 --docs 4 --rows 8 --set cache.batch_size=2 "
+                            "--set mesh.fsdp=2 --set opt.batch_size=2 --set teacher.d_model=8192 "
+                            "--set teacher.n_layers=80 --set teacher.n_heads=64 "
+                            "--set teacher.d_ff=28672 --mem-fraction 0.95",
+    # gpt-oss (configs/gpt_oss.py): RANDOM MXFP4 teachers built on the GPU (the 120b's ~61 GB of
+    # packed experts would not fit the disk beside a checkpoint), and the MoE student at 32K.
+    "teacher-gpt-oss-20b-8k": "teacher --config configs/gpt_oss.py:20b --seq-len 8192 --docs 4 "
+                              "--rows 16 --mem-fraction 0.9",
+    "teacher-gpt-oss-120b-8k": "teacher --config configs/gpt_oss.py --seq-len 8192 --docs 4 "
+                               "--rows 16 --mem-fraction 0.9",
+    "gpt-oss-32k": "student --config configs/gpt_oss.py --docs 8 --steps 2 --memory "
+                   "--mem-fraction 0.95",
+}
