@@ -9,17 +9,17 @@ student (configs/demo.py, bf16 matmuls) both ways, impl "xla" with that recovery
 
     python experiments/archive/topk_from_e_ab.py [--seeds 0,1] [--out runs/topk_from_e_ab]
 """
-import jax.numpy as jnp
-
+import contextlib
 import os
 import sys
+
+import jax
+import jax.numpy as jnp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # sibling scripts
                 os.path.join(ROOT, "experiments", "studies"),  # demo_ab
                 ROOT]  # kdjax, configs
-
-import contextlib  # noqa: E402
 
 import demo_ab  # noqa: E402
 from kdjax.loss import chunked, objectives  # noqa: E402
@@ -52,13 +52,17 @@ def from_e(chunk_terms):
 
 @contextlib.contextmanager
 def arm_terms(arm: str):
-  """Within: the chunked loss reads its top-k logits the way `arm` says ("exact" or "from_e")."""
+  """Within: the chunked loss reads its top-k logits the way `arm` says ("exact" or "from_e").
+  JAX's caches are cleared on the way in and out: the train step is jitted once for the process
+  (kdjax.train.grad_step), so an arm would otherwise rerun the program an earlier arm traced."""
   exact = chunked.chunk_terms
   chunked.chunk_terms = exact if arm == "exact" else from_e(exact)
+  jax.clear_caches()
   try:
     yield
   finally:
     chunked.chunk_terms = exact
+    jax.clear_caches()
 
 
 def main():
