@@ -1,4 +1,4 @@
-"""A float32 top-k cache of a real pretrained teacher on real text, on CPU, for cache_layouts.py.
+"""A float32 top-k cache of a real pretrained teacher on real text, on CPU, for cache_compact.py.
 
     JAX_PLATFORMS=cpu python experiments/studies/cache_real_teacher.py \
         --hf ~/.cache/kdjax/smollm2/hf --out /tmp/real_cache --max-bytes 1000000

@@ -1,8 +1,8 @@
 """A stand-in teacher: two fixed matrices following the model contract (hidden states from tokens
-and positions, `lm_head_DxV()`), for the cache's tests and fault benchmark (experiments/
-cache_faults.py). A process builds it in milliseconds, and caches written by separate processes
-agree, since its weights come from a fixed seed; the cache logic does not depend on the model
-(tests/test_teacher.py tests the real one).
+and positions, `lm_head_DxV()`), for the cache's tests and fault benchmark
+(experiments/studies/cache_faults.py). A process builds it in milliseconds, and caches written by
+separate processes agree, since its weights come from a fixed seed; the cache logic does not
+depend on the model (tests/test_teacher.py tests the real one).
 
 Shape letters (ARCHITECTURE.md): B batch, T positions, D width, V vocabulary.
 """
