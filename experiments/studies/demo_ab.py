@@ -1,5 +1,6 @@
-"""Shared by the demo A/B experiments: the demo's data, teacher and cache made once, then the
-student distilled per arm and seed (stages train + eval) and the held-out results tabled."""
+"""Shared by the studies on the demo (fidelity.py here, the A/B studies in experiments/archive/):
+the demo's data, teacher and cache made once, then the student distilled per arm and seed (stages
+train + eval) and the held-out results tabled."""
 import argparse
 import contextlib
 import json
