@@ -316,7 +316,7 @@ def plot(args):
   latest = {}
   for line in open(args.results):
     row = json.loads(line)
-    if "error" not in row:
+    if "error" not in row and "tokens_per_s" in row:  # not the plan-only and stage lines
       latest[row["name"]] = row
   names = list(latest)
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -325,6 +325,7 @@ def plot(args):
             color=["tab:orange" if latest[n]["kind"] == "teacher" else "tab:blue" for n in names])
     ax.set_xlabel(label)
     ax.invert_yaxis()
+  axes[0].xaxis.set_major_formatter(lambda x, _: f"{x / 1000:g}k")
   axes[0].set_title("student step (blue) / teacher cache writing (orange), one H200")
   axes[1].axvline(48, color="gray", ls=":")
   axes[1].axvline(60, color="gray", ls=":")
