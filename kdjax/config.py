@@ -168,8 +168,8 @@ def base() -> ml_collections.ConfigDict:
   # the others print which and exit (kdjax/peers.py), and rerunning the command resumes.
   c.mesh.failure_timeout_s = 60
   # Share of each GPU's memory JAX may allocate (XLA_PYTHON_CLIENT_MEM_FRACTION, which wins when
-  # set). JAX's own default, 0.75, leaves ~35 GiB of an H200 unused: at 0.92 remat "auto" takes
-  # "dots" rather than "full" at 32K (45.4 vs 52.9 s per step; BENCHMARKS.md).
+  # set). JAX's own default, 0.75, leaves a quarter of an H200 unused: at 0.92 remat "auto" takes
+  # the faster "dots" rather than "full" at 32K (BENCHMARKS.md, "The configs' defaults").
   c.mesh.memory_fraction = 0.92
   return c
 

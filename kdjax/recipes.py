@@ -24,7 +24,7 @@ def llama_3b_student(c):
                    head_dim=128, d_ff=8192, rope_theta=500000.0, tie_embeddings=True,
                    dtype="bfloat16", param_dtype="float32")
   # The fastest rematerialisation that fits the GPU (kdjax/remat_auto.py); student.remat="full"
-  # is the smallest setting (8K: 47.7 GiB, 12.7 s per step; BENCHMARKS.md).
+  # is the smallest setting (its time and memory: BENCHMARKS.md, "Current numbers").
   c.student.remat = "auto"
 
 
@@ -44,7 +44,7 @@ def long_context(seq_len: int, workdir: str, variant: str):
   c.cache.chunk_size = 4096
   c.loss.chunk_size = 0  # sized by the loss kernel to the memory it has
   # 32 rows per optimizer step; at 8K two per micro-batch (fewer, larger matmuls, half the
-  # gradient sums: 9.65 vs 10.04 s per step at 91.6 GiB; BENCHMARKS.md, "Rematerialisation").
+  # gradient sums: faster, within the memory; BENCHMARKS.md, "The configs' defaults").
   rows = 2 if seq_len <= 8192 else 1
   c.opt.update(lr=1e-4, steps=2000, batch_size=rows, accum_steps=32 // rows, warmup_steps=100,
                log_every=1, ckpt_every=50)

@@ -3,12 +3,13 @@
 The budget (opt.memory_gib; 0: what JAX may allocate on the device, its bytes_limit) is compared
 with XLA's own plan of the micro-batch program: the train state and gradient sum (resident
 between steps, measured from the arrays) plus the program's temporaries and its batch. On the
-H200 that sum is the measured peak within 0.2 GiB (BENCHMARKS.md, "Rematerialisation"). Policies
-are tried fastest first (kdjax/models/remat.py AUTO_ORDER), each costing one compilation of the
-micro-batch program (74 s at 128K), until one fits within MARGIN of the budget; a policy whose
-kept values alone (remat.saved_bytes_per_token, a lower bound) would exceed it is skipped
-without one. None fitting is a user error that names the budget. The margin is measured: at 32K, "names" planned at 96.4 GiB of 104.5 ran
-out of memory (one 54.5 GiB block of temporaries found no room in one piece).
+H200 that sum is the measured peak within a fraction of a GiB (BENCHMARKS.md,
+"Rematerialisation"). Policies are tried fastest first (kdjax/models/remat.py AUTO_ORDER), each
+costing one compilation of the micro-batch program (a minute or more at 128K), until one fits
+within MARGIN of the budget; a policy whose kept values alone (remat.saved_bytes_per_token, a
+lower bound) would exceed it is skipped without one. None fitting is a user error that names the
+budget. The margin comes from a measured failure: at 32K a plan at 92% of the budget ran out of
+memory, one block of its temporaries finding no room in one piece (BENCHMARKS.md).
 """
 import dataclasses
 import logging

@@ -177,6 +177,13 @@ def test_default_chunk_grows_with_memory():
   assert chunked.default_chunk(4096, 64, 8 * 2**20, jnp.bfloat16) == 128  # a huge vocabulary: one tile
 
 
+def test_default_chunk_reads_max_chunk_when_called(monkeypatch):
+  """The loss benchmark sets chunked.MAX_CHUNK (KDJAX_BENCH_SET) after import: it must count."""
+  assert chunked.default_chunk(100_000, 3072, 1000, jnp.bfloat16) > 4096
+  monkeypatch.setattr(chunked, "MAX_CHUNK", 4096)
+  assert chunked.default_chunk(100_000, 3072, 1000, jnp.bfloat16) <= 4096
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_all_masked_is_zero(impl, make_inputs, run_loss):
   inputs = make_inputs((2, 9), 8, 130, 4, jnp.float32, masked_frac=1.1)

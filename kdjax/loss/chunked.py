@@ -52,14 +52,16 @@ COEF_FLOOR = 1e-6
 
 
 def default_chunk(num_rows: int, dim: int, vocab: int, dtype, spec=None, entry_bytes: int = 6,
-                  share: float = WORKING_SET_SHARE, max_chunk: int = MAX_CHUNK,
+                  share: float = WORKING_SET_SHARE, max_chunk: int | None = None,
                   multiple: int = 1) -> int:
   """Chunk size C (a multiple of `multiple`) for a working set of entry_bytes per [C, V]
   element: all N rows if they fit the budget, else the multiple of 128 (matmul tiles) and of
   `multiple` within it, and at most N, that costs least in ceil(N / C) * (C + CHUNK_COST_ROWS):
   rows computed (the last chunk overlaps the one before) plus each chunk's fixed cost; `multiple`
-  when N is smaller. spec: unused here (impls may size by it)."""
+  when N is smaller. spec: unused here (impls may size by it). max_chunk: MAX_CHUNK (read at the
+  call, so a benchmark may set it) unless given."""
   del spec
+  max_chunk = MAX_CHUNK if max_chunk is None else max_chunk
   unavoidable = 2 * jnp.dtype(dtype).itemsize * (num_rows * dim + dim * vocab)
   budget = max(MIN_WORKING_SET_BYTES, share * unavoidable)
   step = max(multiple, 128)

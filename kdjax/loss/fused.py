@@ -41,7 +41,7 @@ SAFE_LOW, SAFE_HIGH = -24.0, 64.0
 # (chunked.default_chunk) holds the chunk (BENCHMARKS.md, loss head section: the measured peaks).
 FUSED_ENTRY_BYTES = 2
 FUSED_SHARE = 1 / 6
-FUSED_MAX_CHUNK = 3 * chunked.MAX_CHUNK
+FUSED_MAX_CHUNKS = 3  # the fused path's largest chunk, in chunked.MAX_CHUNK
 # Entries per step of exact_logits_where.
 EXACT_BATCH = 1024
 
@@ -64,7 +64,7 @@ def default_chunk(num_rows: int, dim: int, vocab: int, dtype, spec=None) -> int:
     mult = row_multiple()
     return chunked.default_chunk(num_rows, dim, vocab, dtype,
                              entry_bytes=FUSED_ENTRY_BYTES, share=FUSED_SHARE,
-                             max_chunk=FUSED_MAX_CHUNK, multiple=mult)
+                             max_chunk=FUSED_MAX_CHUNKS * chunked.MAX_CHUNK, multiple=mult)
   return chunked.default_chunk(num_rows, dim, vocab, dtype)
 
 

@@ -17,9 +17,9 @@ twice. Between the two, a policy keeps some (jax.checkpoint_policies):
              block's working set, the smallest).
 
 Measured and dropped (BENCHMARKS.md, "Long rows"): the block's input offloaded to pinned host
-memory (a checkpoint_name on it, jax's Offloadable): XLA planned 256.85 GiB of temporaries at
-256K against "full"'s 112.67; and keeping cuDNN's attention outputs besides the input (a policy
-on its forward primitive): 218.57 GiB planned at 128K against "full"'s 45.75.
+memory (a checkpoint_name on it, jax's Offloadable), and cuDNN's attention outputs kept beside
+the input (a policy on its forward primitive): XLA planned both at twice "full"'s temporaries
+or more.
 
 Every policy computes the same loss and gradients (tests/test_models.py); which one is fastest
 and what each costs at the paper's shapes is measured in BENCHMARKS.md ("Rematerialisation").
