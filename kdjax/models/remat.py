@@ -29,6 +29,7 @@ unresolved (forward passes: eval, the cache; loops of their own) it runs as "ful
 nothing without a backward pass and the least memory with one.
 """
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
@@ -73,14 +74,13 @@ def wrap(fn, remat: str):
 
 def saved_bytes_per_token(cfg, policy: str) -> int:
   """A lower bound on the bytes one block keeps on the GPU per token for its backward pass under
-  policy (cfg: llama.ModelConfig): the values the policy keeps, in the compute dtype (the
+  policy, one of AUTO_ORDER (cfg: llama.ModelConfig): the values the policy keeps, in the compute dtype (the
   block's internal temporaries come on top). remat "auto" skips a policy without planning it
   when this bound times tokens and layers already exceeds the budget."""
   d, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
   f = cfg.d_ff * max(cfg.experts_per_token, 1)
-  values = {"full": d, "offload": d,
+  values = {"full": d,
             "names": d + q + 2 * kv + q + 2 * f,  # input, q, k, v, attention, gate, up
             "dots": d + q + 2 * kv + d + 2 * f + d,  # input and every projection's output
             "none": d + q + 2 * kv + q + 3 * f}  # input, q, k, v, attention, gate, up, SiLU
-  width = 2 if cfg.dtype == "bfloat16" else 4
-  return values[policy] * width
+  return values[policy] * jnp.dtype(cfg.dtype).itemsize
