@@ -7,6 +7,7 @@ import tensorstore as ts
 
 from kdjax import cache
 from kdjax.cache import layout
+from kdjax.cache import store as store_lib
 
 V, T, K = 300, 8, 5  # conftest's make_rows and new_store: vocabulary, positions, top-k
 OLD_CACHES = os.path.join(os.path.dirname(__file__), "fixtures", "old_caches")
@@ -261,3 +262,24 @@ def test_the_notebook_decodes_a_packed_cache(tmp_path, make_rows, new_store, mon
   text = "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
                  for out in cell.outputs)
   assert "top-1 probability      mean 0.500" in text, text
+
+
+@pytest.mark.parametrize("layout_name", ["float32", "compact", "packed"])
+def test_a_write_encoded_in_pieces_equals_one_row_at_a_time(tmp_path, layout_name, monkeypatch,
+                                                            make_rows, new_store, take):
+  """store.write checks and encodes its rows in pieces on several threads: the stored values
+  are those of writes of one row each, and a bad value names its own row, nothing written."""
+  monkeypatch.setattr(store_lib, "ENCODE_THREADS", 4)
+  rows = make_rows(np.random.default_rng(8), 10)
+  whole = new_store(tmp_path / "whole", layout_name=layout_name, region_rows=10)
+  whole.write(0, rows)
+  single = new_store(tmp_path / "single", layout_name=layout_name, region_rows=10)
+  for row in range(10):
+    single.write(row, take(rows, slice(row, row + 1)))
+  got, want = whole.read(slice(0, 10)), single.read(slice(0, 10))
+  for name in want:
+    np.testing.assert_array_equal(got[name], want[name])
+  rows["topk_logprobs"][7, 2, 1] = np.nan
+  with pytest.raises(cache.CacheError, match="row 7, position 2, entry 1"):
+    new_store(tmp_path / "bad", layout_name=layout_name, region_rows=10).write(0, rows)
+  assert cache.open(tmp_path / "whole").missing() == []

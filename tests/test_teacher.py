@@ -140,3 +140,36 @@ def test_exact_top_k_equals_top_k(rows, vocab, k, rng):
   got = teacher.exact_top_k(jnp.asarray(x), k)
   for a, b in zip(got, want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_one_documents_bound_for_the_whole_pass(tmp_path, monkeypatch, make_data, write):
+  """Regions with different numbers of documents share one compiled step, bounded by the most."""
+  data = make_data(tmp_path / "data", num_seqs=10, region_rows=3)
+  rows = data.read(slice(0, 10))
+  segment_ids = rows["segment_ids"].copy()
+  segment_ids[7, T // 2:] = 2  # only region 2 (rows 6..8) holds a second document
+  segment_ids[8, 1:] = np.arange(2, T + 1) % 6  # five documents, and padding (0) between
+  positions = rows["positions"]
+  mixed = cache.create(tmp_path / "mixed", num_seqs=10, seq_len=T, k=0, vocab_size=V,
+                       attrs={"tokenizer_hash": "tok", "source": "test"}, region_rows=3)
+  mixed.write(0, {**rows, "segment_ids": segment_ids, "positions": positions,
+                  "loss_mask": segment_ids > 0})
+  mixed = cache.open(tmp_path / "mixed")
+  assert teacher.documents_bound(mixed, [(0, 6)]) == 1
+  assert teacher.documents_bound(mixed, [(0, 10)]) == 8
+  assert teacher.documents_bound(mixed, [(0, 10)], rows_per_read=2) == 8
+  model = make_teacher()
+  bounds = []
+  step = teacher.topk_batch
+  monkeypatch.setattr(teacher, "topk_batch",
+                      lambda *a, max_documents, **kw: bounds.append(max_documents) or step(
+                          *a, max_documents=max_documents, **kw))
+  write(model, mixed, tmp_path / "cache")
+  assert set(bounds) == {8} and len(bounds) == 4  # 4 regions of one batch each
+  # Every row as the dense model computes it with the documents of that row.
+  got = cache.open(tmp_path / "cache").read(slice(0, 10))
+  hidden = np.asarray(model(rows["tokens"], positions, segment_ids, 8), np.float64)
+  logits = hidden @ np.asarray(model.lm_head_DxV(), np.float64)
+  ids = np.argsort(-logits, axis=-1)[..., :K]
+  real = segment_ids > 0
+  np.testing.assert_array_equal(got["topk_ids"][real], ids[real])

@@ -42,8 +42,11 @@ SWEEP = {
     # one piece (2026-12-03): 256K does not train yet. No plan compiled first (~170 s at 256K).
     "256k": "student --config configs/32k.py --seq-len 262144 --docs 32 --accum 1 --steps 3 "
             "--mem-fraction 0.97 --set opt.state_memory=host --set student.remat=full",
-    "teacher-8k": "teacher --seq-len 8192 --docs 4 --rows 64",
-    "teacher-32k": "teacher --seq-len 32768 --docs 8 --rows 16",
+    # 2.1M tokens each, 8 regions (64 rows at 8K and 16 at 32K until 2026-12-03: two regions, so
+    # the writes left after the last batch, one region's, weighed ~5% of the run; a real cache
+    # of billions of tokens pays them once per split). write_cache logs that drain.
+    "teacher-8k": "teacher --seq-len 8192 --docs 4 --rows 256",
+    "teacher-32k": "teacher --seq-len 32768 --docs 8 --rows 64",
     # Two GPUs (sweep 8k 8k-dp2 teacher-8k-b2 teacher-8k-fsdp2 teacher-70b-8k-fsdp2 in one call:
     # the ratios to one GPU). The same 32 rows per step as `8k`, 16 rows per GPU; the teacher
     # sharded over both (weights over fsdp, a batch's 2 rows one per GPU) against one GPU with

@@ -18,6 +18,8 @@ Writes that cover only part of a region record the rows they covered (`manifest/
 written after their shards are durable too); the region record is written once those cover the
 region. create() and open() (checking a store's attributes and completeness): opening.py.
 """
+import concurrent.futures
+import functools
 import glob
 import json
 import os
@@ -33,6 +35,14 @@ from kdjax.cache import layout as layout_lib
 from kdjax.cache import lock
 from kdjax.cache import values
 from kdjax.cache.errors import CacheError
+
+# Threads that check and encode the rows of a write, shared by every store and writer thread.
+ENCODE_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+@functools.cache
+def _encoder() -> concurrent.futures.ThreadPoolExecutor:
+  return concurrent.futures.ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="cache-encode")
 
 
 class Store:
@@ -158,6 +168,7 @@ class Store:
                        {"start": start, "stop": stop})
 
   def _check_batch(self, start, batch):
+    """The batch's arrays and shapes; their values are checked by _check_values."""
     expected = set(self.dtypes)
     if set(batch) != expected:
       raise CacheError(f"{self.path}: write needs exactly the arrays {sorted(expected)}, got "
@@ -169,6 +180,9 @@ class Store:
       if arr.shape != (n,) + self.shape(name)[1:]:
         raise CacheError(f"{self.path}: {name} has shape {arr.shape}, expected "
                          f"{(n,) + self.shape(name)[1:]}")
+
+  def _check_values(self, start, batch):
+    n = len(batch["tokens"])
     rows = np.arange(start, start + n)
     where = f"{self.path}: rows {start}..{start + n}"
     values.check_ids(batch["tokens"], rows, self.vocab_size, f"{where}, tokens")
@@ -180,6 +194,31 @@ class Store:
       values.check_hidden(batch["hidden"], rows, where,
                           "Fix the teacher run that produced them; nothing was written.")
 
+  def _encode(self, start, batch):
+    """Checks the values of rows start.. (CacheError: nothing written) and returns the arrays as
+    stored."""
+    self._check_values(start, batch)
+    stored = dict(batch)
+    if self.k > 0:
+      stored["topk_ids"], stored["topk_logprobs"] = layout_lib.encode_topk(
+          batch["topk_ids"], batch["topk_logprobs"], self.dtypes, self._scale, self._offset)
+    if self.hidden_dim:
+      stored["hidden"] = layout_lib.encode_hidden(batch["hidden"])
+    return {name: arr.astype(self.dtypes[name], copy=False) for name, arr in stored.items()}
+
+  def _encode_in_pieces(self, start, batch):
+    """_encode over pieces of rows on the encoding threads (numpy releases the GIL), so a
+    region's encoding takes several cores, as tensorstore's compression does: a teacher's last
+    region is then written in a fraction of the time one thread would take."""
+    n = len(batch["tokens"])
+    edges = np.linspace(0, n, min(n, ENCODE_THREADS) + 1).astype(int)
+    pieces = list(_encoder().map(
+        lambda a, b: self._encode(start + a, {name: arr[a:b] for name, arr in batch.items()}),
+        edges[:-1], edges[1:]))
+    if len(pieces) == 1:
+      return pieces[0]
+    return {name: np.concatenate([piece[name] for piece in pieces]) for name in pieces[0]}
+
   def write(self, start, batch):
     """Writes rows start..start+len(batch) and records every region they complete.
 
@@ -189,18 +228,12 @@ class Store:
     batch = {name: np.asarray(arr) for name, arr in batch.items()}
     self._check_batch(start, batch)
     stop = start + len(batch["tokens"])
-    stored = dict(batch)
-    if self.k > 0:
-      stored["topk_ids"], stored["topk_logprobs"] = layout_lib.encode_topk(
-          batch["topk_ids"], batch["topk_logprobs"], self.dtypes, self._scale, self._offset)
-    if self.hidden_dim:
-      stored["hidden"] = layout_lib.encode_hidden(batch["hidden"])
+    stored = self._encode_in_pieces(start, batch)
     regions = range(start // self.region_rows, -(-stop // self.region_rows))
     failpoints.hit("before_data")
     with durable.disk_full_is_a_cache_error(self.path):
       self._unrecord(start, stop, regions)
-      futures = [self._arrays[name][start:stop].write(arr.astype(self.dtypes[name]))
-                 for name, arr in stored.items()]
+      futures = [self._arrays[name][start:stop].write(arr) for name, arr in stored.items()]
       for future in futures:
         future.result()
       failpoints.hit("data")
@@ -244,6 +277,15 @@ class Store:
     for a, b in self._partial_rows():
       if start <= a and b <= stop:
         os.unlink(os.path.join(self._manifest_dir(), f"p{a:012d}-{b:012d}.json"))
+
+  def read_array(self, name, rows: slice):
+    """One array's rows as stored, without decoding or value checks (e.g. a data store's
+    segment ids, to plan a pass over it); CacheError if the store is unreadable there."""
+    try:
+      return self._arrays[name][rows].read().result()
+    except ValueError as e:  # tensorstore: checksum mismatch, truncated or unreadable shard
+      raise CacheError(f"{self.path}: {name} rows {values.describe_rows(rows)}: {e}. Run "
+                       f"`python -m kdjax.cache verify --fix {self.path}`.") from e
 
   def read(self, rows, hidden=True):
     """Decoded rows: {name: array [len(rows), T(, K or H)]}; ids int32, log-probs float32, hidden
