@@ -150,7 +150,7 @@ def _hidden_states(graphdef, state, tokens_BxT, positions_BxT, segment_ids_BxT, 
 
 def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, vocab_size, attrs,
                 layout="float32", rank=0, world=1, region_rows=None, hidden_dim=0, mesh=None,
-                writers=0, before_region=lambda: None):
+                writers=0, before_region=lambda: None, max_documents=None):
   """Writes (or resumes) the teacher cache of `data_store` at `cache_path`; returns the store.
 
   Args:
@@ -176,6 +176,8 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
       runs each batch, process 0 alone creates and writes the cache (rank, world as given).
     before_region: called before each region's work; it may raise to stop there (SIGTERM,
       kdjax.peers.Stop), the regions already computed being written first.
+    max_documents: the static bound on segment ids of every batch (documents_bound of the rows
+      to write, or of more: several passes then share one compiled step); default computed here.
   Raises:
     CacheError: bad k or vocabulary, another writer of this rank running, a store of another
       spec at cache_path, a full disk; the message says what to do.
@@ -206,7 +208,7 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
                           projection_DxH=projection_DxH, k=k, batch_size=batch_size,
                           chunk_size=chunk_size, vocab_size=vocab_size,
                           desc=f"teacher {rank}/{world}", mesh=mesh, writers=writers,
-                          before_region=before_region)
+                          before_region=before_region, max_documents=max_documents)
   if parallel.spans_processes(mesh):  # one teacher over all processes: process 0 writes
     lead = jax.process_index() == 0
     if lead:
@@ -230,7 +232,8 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
 
 
 def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_size, chunk_size,
-                   vocab_size, desc, mesh, writers=0, write=True, before_region=lambda: None):
+                   vocab_size, desc, mesh, writers=0, write=True, before_region=lambda: None,
+                   max_documents=None):
   """Computes and writes the rows of `todo` [(start, stop)], region by region (write False:
   computes only, another process of the teacher's mesh writes); writers: threads writing
   regions (0: min(8, cores))."""
@@ -278,7 +281,7 @@ def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_s
 
     read = lambda i: reader.submit(data_store.read, slice(*todo[i])) if i < len(todo) else None
     next_rows = read(0)
-    bound = documents_bound(data_store, todo)
+    bound = max_documents or documents_bound(data_store, todo)
     started = time.perf_counter()
     for i, (start, stop) in enumerate(todo):
       try:

@@ -120,7 +120,10 @@ def baseline_grad_step(trained_params, grads_sum, batch, teacher_params, *, grap
 
 def run(method: str, args) -> dict:
   # The paper's objective, so that every method computes the same loss (configs default to tail).
-  c = e2e_bench.load_config(args.config, ["loss.objective=sparse"])
+  # The paper's 32 micro-batches of one row; one rematerialisation for every method's student
+  # (--remat), so the methods differ in the loss alone.
+  c = e2e_bench.load_config(args.config, ["loss.objective=sparse", f"student.remat={args.remat}",
+                                          "opt.batch_size=1", "opt.accum_steps=32"])
   seq_len, accum = c.data.seq_len, c.opt.accum_steps
   student_cfg = build.model_config(c.student, 128256)
   rng = np.random.default_rng(0)
@@ -182,7 +185,7 @@ def run(method: str, args) -> dict:
   iteration_s = accum * float(np.median(micro_s[1:])) + apply_s[-1]
   tokens = accum * seq_len
   flops = (train_flops(student_cfg, batches) + teacher_flops) * tokens
-  return {"method": method, "seq_len": seq_len, "accum_steps": accum,
+  return {"method": method, "seq_len": seq_len, "accum_steps": accum, "remat": args.remat,
           "micro_step_s": float(np.median(micro_s[1:])), "apply_s": apply_s[-1],
           "iteration_s": iteration_s, "tokens_per_s": tokens / iteration_s,
           "model_tflops": flops / iteration_s / 1e12, "peak_gib": e2e_bench.peak_gib(),
@@ -201,6 +204,8 @@ def main():
   parser.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)  # a child process
   parser.add_argument("--config", default="configs/8k.py", help="a smaller one for a smoke run")
   parser.add_argument("--micro-steps", type=int, default=4, help="timed micro-steps per method")
+  parser.add_argument("--remat", default="none", help="student.remat of every method (none: what "
+                      "configs/8k.py's auto takes at 8K; full: the runs before 2026-12-04)")
   parser.add_argument("--plan", action="store_true",
                       help="XLA's memory plan of each method's micro-step only (no run)")
   parser.add_argument("--out", default=RESULTS)
@@ -217,7 +222,8 @@ def main():
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   for method in args.methods:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", method, "--out", args.out,
-           "--dir", args.dir, "--micro-steps", str(args.micro_steps), "--config", args.config]
+           "--dir", args.dir, "--micro-steps", str(args.micro_steps), "--config", args.config,
+           "--remat", args.remat]
     cmd += ["--plan"] if args.plan else []
     if subprocess.run(cmd).returncode:
       with open(args.out, "a") as f:
