@@ -248,6 +248,14 @@ def run_teacher(args) -> dict:
     times.append(time.perf_counter() - t0)
   device_tok_s = batch_size * seq_len / float(np.median(times))
   print(f"teacher step alone: {device_tok_s:,.0f} tokens/s", flush=True)
+  profile = {}
+  if args.profile:  # one more step alone, traced
+    import profile_summary
+    shutil.rmtree(args.profile, ignore_errors=True)
+    with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+      jax.block_until_ready(teacher.topk_batch(graphdef, state, None, *inputs, **kw))
+    profile = profile_summary.summarize(args.profile)
+    profile_summary.print_summary(profile)
 
   t0 = time.perf_counter()
   teacher.write_cache(model, data, os.path.join(directory, "cache"), k=k, batch_size=batch_size,
@@ -262,7 +270,8 @@ def run_teacher(args) -> dict:
           "model_tflops": device_tok_s * llama.flops_per_token(
               model_cfg, attention.mean_context(segment_ids))
           / 3 / 1e12,  # forward only: a third of the training FLOPs
-          "layout": c.cache.layout, "peak_gib": peak_gib()}
+          "layout": c.cache.layout, "peak_gib": peak_gib(),
+          **({"profile": profile} if profile else {})}
 
 
 def load_config(path, overrides):

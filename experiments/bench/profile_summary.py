@@ -7,6 +7,7 @@ student --profile DIR does so around one step). Reads its perfetto_trace.json.gz
 kernels on the GPU's streams:
 
   matmul      cuBLAS / cuBLASLt / CUTLASS / Triton GEMM kernels of XLA's dots
+  experts     the grouped matmuls of mixture-of-experts layers (kdjax/kernels/grouped.py)
   attention   cuDNN's flash attention (forward and backward)
   loss head   the Pallas kernels of the fused loss (kdjax/kernels)
   optimizer   every kernel of the apply_step program (AdamW, the gradient mean and zeroing)
@@ -25,7 +26,7 @@ import json
 import os
 import re
 
-KINDS = ("matmul", "attention", "loss head", "optimizer", "copies", "other", "idle")
+KINDS = ("matmul", "experts", "attention", "loss head", "optimizer", "copies", "other", "idle")
 MATMUL = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|sm90_|sm80_|wgmma|triton_gemm|matmul", re.I)
 ATTENTION = re.compile(r"cudnn|fmha|flash|sdpa|attn", re.I)
 COPY = re.compile(r"memcpy|memset|copy_", re.I)
@@ -49,6 +50,8 @@ def kind_of(name: str, module: str) -> str:
     return "attention"
   if MATMUL.search(name):
     return "matmul"
+  if "gmm_kernel" in name:  # kdjax/kernels/grouped.py: the experts' grouped matmuls (MoE)
+    return "experts"
   if "pallas" in name.lower() or "mosaic" in name.lower() or name.startswith(("_kernel", "exp_",
                                                                               "dense_")):
     return "loss head"
