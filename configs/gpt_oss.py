@@ -56,5 +56,9 @@ def get_config(variant: str = ""):
                    param_dtype="float32")
   c.student.rope_scaling = {}  # trained at 32K from the start: plain RoPE
   c.cache.chunk_size = 2048  # [C, V] float32 logits of the teacher: 1.5 GiB at V = 201,088
+  # 64K tokens per teacher call: each call dequantises every layer's experts once (at one 8K
+  # row per call that was 58% of the 120b's step), so more tokens per call share it (8 rows of
+  # 8K: 2.3x the tokens/s of one; BENCHMARKS.md, MoE).
+  c.cache.batch_size = max(1, 65536 // c.data.seq_len)
   c.mesh.memory_fraction = 0.95  # the student's peak at 32K needs more than 0.92 (BENCHMARKS.md)
   return c

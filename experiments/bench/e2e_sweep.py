@@ -63,10 +63,13 @@ SWEEP = {
                             "--set teacher.d_ff=28672 --mem-fraction 0.95",
     # gpt-oss (configs/gpt_oss.py): RANDOM MXFP4 teachers built on the GPU (the 120b's ~61 GB of
     # packed experts would not fit the disk beside a checkpoint), and the MoE student at 32K.
+    # 8 rows of 8K per teacher call: the config's 64K tokens per call (2 rows of its 32K).
     "teacher-gpt-oss-20b-8k": "teacher --config configs/gpt_oss.py:20b --seq-len 8192 --docs 4 "
-                              "--rows 16 --mem-fraction 0.9",
+                              "--rows 32 --mem-fraction 0.9 --set cache.batch_size=8",
     "teacher-gpt-oss-120b-8k": "teacher --config configs/gpt_oss.py --seq-len 8192 --docs 4 "
-                               "--rows 16 --mem-fraction 0.9",
+                               "--rows 32 --mem-fraction 0.9 --set cache.batch_size=8",
+    "teacher-gpt-oss-120b-32k": "teacher --config configs/gpt_oss.py --seq-len 32768 --docs 16 "
+                                "--rows 8 --mem-fraction 0.95",
     "gpt-oss-32k": "student --config configs/gpt_oss.py --docs 8 --steps 2 --memory "
                    "--mem-fraction 0.95",
 }
