@@ -68,7 +68,7 @@ SWEEP = {
                               "--rows 32 --mem-fraction 0.9 --set cache.batch_size=8",
     "teacher-gpt-oss-120b-8k": "teacher --config configs/gpt_oss.py --seq-len 8192 --docs 4 "
                                "--rows 32 --mem-fraction 0.9 --set cache.batch_size=8",
-    "teacher-gpt-oss-120b-32k": "teacher --config configs/gpt_oss.py --seq-len 32768 --docs 16 "
+    "teacher-gpt-oss-120b-32k": "teacher --config configs/gpt_oss.py --seq-len 32768 --docs 8 "
                                 "--rows 8 --mem-fraction 0.95",
     "gpt-oss-32k": "student --config configs/gpt_oss.py --docs 8 --steps 2 --memory "
                    "--mem-fraction 0.95",
