@@ -1,8 +1,8 @@
 """Every script in experiments/ (bench/, studies/, archive/) starts as experiments/README.md runs
 it, `python experiments/FOLDER/NAME.py` from the repository root: `--help` exits 0, so its imports
 resolve (a renamed kdjax module or a moved sibling fails here). The cheap ones also run on a CPU;
-e2e_bench.py and paper_table.py runs are in test_e2e_bench.py, cache_floor.py's in
-test_cache_floor.py. kdjax's scripts for the side venv (torch) compile.
+e2e_bench.py and paper_table.py runs are in test_e2e_bench.py, cache_floor.py's and
+cache_context.py's in test_cache_floor.py. kdjax's scripts for the side venv (torch) compile.
 """
 import glob
 import json

@@ -276,6 +276,23 @@ def decode_speed(ids, n, last):
                          timings.items()) + " (one thread)")
 
 
+def stored_bytes(arr, path, region_rows, shuffle, clevel=5):
+  """Bytes of arr [S, ...] written at path as a store writes an array (row-sharded zarr v3, blosc
+  zstd at level clevel, crc32c), metadata aside."""
+  meta = layout.zarr_metadata(arr.shape, arr.dtype.name, region_rows, shuffle=shuffle,
+                              clevel=clevel)
+  ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}, "metadata": meta},
+          create=True, delete_existing=True).result().write(arr).result()
+  return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path)
+             for name in names if name != "zarr.json")
+
+
+def store_sizer(out, region_rows):
+  """size(arr, shuffle, clevel=5): B/pos of arr [S, T, ...] written as a store writes it."""
+  return lambda arr, shuffle, clevel=5: stored_bytes(
+      arr, os.path.join(out, "x"), region_rows, shuffle, clevel) / (arr.shape[0] * arr.shape[1])
+
+
 QUANTISER = (2.0**-12, 2.0**-7)
 QUANTISER_NAME = "s 2^-12, p0 2^-7"
 
@@ -319,8 +336,10 @@ def check(seed):
         "head and tail, levels")
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser_of_rows(doc):
+  """The command line of a study of a cache's rows: --cache or a synthetic teacher, --out,
+  --check and its --seed."""
+  parser = argparse.ArgumentParser(description=doc.split("\n")[0])
   parser.add_argument("--cache", default="", help="float32 teacher cache; empty: synthetic teacher")
   parser.add_argument("--rows", type=int, default=64, help="rows of the cache to use")
   parser.add_argument("--allow-partial", action="store_true",
@@ -328,36 +347,39 @@ def main():
   parser.add_argument("--synthetic-vocab", type=int, default=32000,
                       help="synthetic teacher's vocabulary (without --cache)")
   parser.add_argument("--seq-len", type=int, default=128, help="synthetic rows' positions")
-  parser.add_argument("--loss-positions", type=int, default=4096,
-                      help="errors on the first rows holding this many positions")
   parser.add_argument("--out", default="", help="scratch directory (default: a temporary one)")
   parser.add_argument("--check", action="store_true",
                       help="check the measures on inputs whose answers are known by hand, exit")
   parser.add_argument("--seed", type=int, default=0, help="--check's random inputs")
-  args = parser.parse_args()
-  if args.check:
-    return check(args.seed)
+  return parser
 
+
+def rows_of(args):
+  """(rows, vocab) of the parsed command line; prints where they come from."""
   if args.cache:
     rows, vocab, source = cache_compact.read_rows(args.cache, args.rows, args.allow_partial)
   else:
     rows, vocab = cache_compact.synthetic(args.rows, args.seq_len, 100, args.synthetic_vocab)
     source = f"synthetic teacher (cache_compact.synthetic), V={vocab}"
+  shape = rows["topk_ids"].shape
+  print(f"teacher: {source}; {shape[0]} rows x {shape[1]} positions, k={shape[2]}")
+  return rows, vocab
+
+
+def main():
+  parser = parser_of_rows(__doc__)
+  parser.add_argument("--loss-positions", type=int, default=4096,
+                      help="errors on the first rows holding this many positions")
+  args = parser.parse_args()
+  if args.check:
+    return check(args.seed)
+
+  rows, vocab = rows_of(args)
   ids, lp = rows["topk_ids"].astype(np.int64), rows["topk_logprobs"]
-  print(f"teacher: {source}; {ids.shape[0]} rows x {ids.shape[1]} positions, k={ids.shape[2]}")
   out = args.out or tempfile.mkdtemp(prefix="cache_floor_")
   region_rows = max(1, min(ids.shape[0], 2**18 // ids.shape[1]))
 
-  def size(arr, shuffle, clevel=5):
-    """B/pos of arr [S, T, ...] written as a store writes an array, at blosc level clevel."""
-    path = os.path.join(out, "x")
-    meta = layout.zarr_metadata(arr.shape, arr.dtype.name, region_rows, shuffle=shuffle,
-                                clevel=clevel)
-    ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}, "metadata": meta},
-            create=True, delete_existing=True).result().write(arr).result()
-    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path)
-               for name in names if name != "zarr.json") / (arr.shape[0] * arr.shape[1])
-
+  size = store_sizer(out, region_rows)
   wide = np.uint16 if vocab <= 2**16 else np.uint32
   quantised = quantiser_table(ids, lp, rows["loss_mask"], vocab, size, args.loss_positions)
   n, _, last = levels(lp, *QUANTISER, diffuse=False)
