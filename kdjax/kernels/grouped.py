@@ -204,6 +204,7 @@ def _tgmm_kernel(tile_start_gmem, tiles_gmem, lhs_gmem, rhs_gmem, out_gmem, *, t
 def _call(body, out_type, *args):
   return plgpu.kernel(
       body, out_type=out_type, grid=(_num_sms(),), grid_names=("sm",),
+      kernel_name=body.func.__name__.lstrip("_"),  # gmm_kernel / tgmm_kernel in profiles
       interpret=_interpret_params(),
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(*args)

@@ -195,6 +195,7 @@ def logits_exp(h_CxD, w_DxV, scale: float, shift_C=None, e_ref=None, t: Tiles | 
                              with_xex=with_xex)
   call = plgpu.kernel(
       kernel, out_type=out_type, grid=(_num_sms(),), grid_names=("sm",), num_threads=3,
+      kernel_name="mosaic_loss_head",  # its name in profiles
       thread_name="wg", interpret=_interpret_params(),
       compiler_params=plgpu.CompilerParams(
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
