@@ -171,6 +171,12 @@ def base() -> ml_collections.ConfigDict:
   # set). JAX's own default, 0.75, leaves a quarter of an H200 unused: at 0.92 remat "auto" takes
   # the faster "dots" rather than "full" at 32K (BENCHMARKS.md, "The configs' defaults").
   c.mesh.memory_fraction = 0.92
+  # JAX's GPU allocator (XLA_PYTHON_CLIENT_ALLOCATOR, which wins when set): "" its default, a
+  # pool (BFC) that must hold a program's temporaries in one free piece; "platform" allocates
+  # each buffer from CUDA and frees it after use: no pool to fragment, so a step whose plan
+  # needs nearly the whole GPU in one block can run (256K rows; BENCHMARKS.md), at the cost of
+  # CUDA calls per buffer and no peak-memory statistics.
+  c.mesh.allocator = ""
   return c
 
 
@@ -286,6 +292,9 @@ def validate(c: ml_collections.ConfigDict):
              f"mesh.{f} must be an integer >= 1, got {c.mesh[f]!r}")
   _require(0 < c.mesh.memory_fraction <= 1,
            f"mesh.memory_fraction must be in (0, 1], got {c.mesh.memory_fraction}")
+  _require(c.mesh.allocator in ("", "platform", "bfc", "cuda_async"),
+           f"mesh.allocator must be '', 'platform', 'bfc' or 'cuda_async' (JAX's "
+           f"XLA_PYTHON_CLIENT_ALLOCATOR), got {c.mesh.allocator!r}")
   _require(c.mesh.failure_timeout_s > 0,
            f"mesh.failure_timeout_s must be > 0 seconds, got {c.mesh.failure_timeout_s}")
   _require(c.mesh.tensor == 1 or c.loss.impl not in ("reference", "paper"),

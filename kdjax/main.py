@@ -37,7 +37,7 @@ def main(argv):
   del argv
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every checkpoint at INFO
   c = flags.FLAGS.config
-  parallel.claim_memory(c.mesh.memory_fraction)
+  parallel.claim_memory(c.mesh.memory_fraction, c.mesh.allocator)
   # a run of several processes (launch/multiprocess.sh): each watches the others (kdjax.peers)
   parallel.initialize_distributed(c.mesh.failure_timeout_s)
   peers.watch(c.mesh.failure_timeout_s)

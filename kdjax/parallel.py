@@ -221,10 +221,14 @@ ENV_COORDINATOR, ENV_PROCESSES, ENV_PROCESS_ID = (
     "KDJAX_COORDINATOR", "KDJAX_NUM_PROCESSES", "KDJAX_PROCESS_ID")
 
 
-def claim_memory(fraction: float) -> None:
-  """Lets JAX allocate `fraction` of each GPU (mesh.memory_fraction) unless the environment
-  already says (XLA_PYTHON_CLIENT_MEM_FRACTION). Read when JAX first uses a GPU: call before."""
+def claim_memory(fraction: float, allocator: str = "") -> None:
+  """Lets JAX allocate `fraction` of each GPU (mesh.memory_fraction) with `allocator`
+  (mesh.allocator; "" JAX's default) unless the environment already says
+  (XLA_PYTHON_CLIENT_MEM_FRACTION, XLA_PYTHON_CLIENT_ALLOCATOR). Read when JAX first uses a GPU:
+  call before."""
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(fraction))
+  if allocator:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", allocator)
 
 
 def initialize_distributed(failure_timeout_s: float = 60) -> None:

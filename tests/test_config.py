@@ -71,6 +71,7 @@ def test_unknown_variant_is_rejected():
     ("student.param_dtype", "fp16", "student.param_dtype must be one of"),
     ("student.n_kv_heads", 3, "student.n_heads (4) must be a multiple of student.n_kv_heads (3)"),
     ("data.loss_mask", "user", "data.loss_mask must be one of ('all', 'assistant')"),
+    ("mesh.allocator", "pool", "mesh.allocator must be '', 'platform', 'bfc' or 'cuda_async'"),
 ])
 def test_out_of_range_values_name_the_field(field, value, message):
   """The message names the field that was set (not one checked against it) and the valid range."""

@@ -328,3 +328,15 @@ def test_every_stage_under_mesh_shapes(tmp_path, shape):
   assert done == ["data", "pretrain", "cache", "train", "baseline", "eval", "export"], done
   results = json.load(open(tmp_path / "eval.json"))
   assert results["student"]["kl"] < results["student_init"]["kl"], results
+
+
+def test_claim_memory_sets_the_allocator_unless_the_environment_does(monkeypatch):
+  for name in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR"):
+    monkeypatch.delenv(name, raising=False)
+  parallel.claim_memory(0.9)
+  assert "XLA_PYTHON_CLIENT_ALLOCATOR" not in os.environ  # "": JAX's default
+  parallel.claim_memory(0.5, "platform")
+  assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9"  # the first setting stays
+  assert os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] == "platform"
+  parallel.claim_memory(0.9, "bfc")
+  assert os.environ["XLA_PYTHON_CLIENT_ALLOCATOR"] == "platform"

@@ -383,10 +383,12 @@ def main():
   logging.basicConfig(level=logging.INFO, format="%(message)s")  # kdjax's lines (remat auto)
   if args.mem_fraction:  # read when JAX first touches the GPU, below
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
-  parallel.claim_memory(load_config(args.config, args.set).mesh.memory_fraction)  # as kdjax.main
+  mesh_cfg = load_config(args.config, args.set).mesh
+  parallel.claim_memory(mesh_cfg.memory_fraction, mesh_cfg.allocator)  # as kdjax.main
   result = run_student(args) if args.mode == "student" else run_teacher(args)
   result.update(name=args.name, config=getattr(args, "config", ""), overrides=args.set,
                 mem_fraction=float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]),
+                allocator=os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", ""),
                 commit=commit(), date=today(), device=str(jax.devices()[0].device_kind))
   print(json.dumps(result), flush=True)
   if args.json:
