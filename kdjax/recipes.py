@@ -1,5 +1,5 @@
 """The builders configs/*.py share: an 8B-class teacher distilled into a ~3B student at long
-context (configs/8k.py, 32k.py, and the start of configs/gpt_oss.py).
+context (configs/8k.py, 32k.py, 128k.py, 256k.py, and the start of configs/gpt_oss.py).
 
 Here rather than in configs/ so that a config file loaded by path (ml_collections loads
 `--config=configs/8k.py` as a file, not as a module of a package) imports it like any module.

@@ -35,16 +35,14 @@ SWEEP = {
     "32k-1doc": "student --config configs/32k.py --docs 1 --accum 4",
     # The 128K step's single 46 GiB block of temporaries needs that much free in one piece: more
     # than JAX's own 75% of the GPU leaves (the config's mesh.memory_fraction, 0.92, does).
-    "128k": "student --config configs/32k.py --seq-len 131072 --docs 16 --accum 1 --steps 4 "
-            "--memory",
+    "128k": "student --config configs/128k.py --docs 16 --accum 1 --steps 4 --memory",
     # 256K: XLA plans 112.67 GiB of temporaries + 18.15 of arguments with remat full and the
     # moments in host memory (`--steps 0`); in JAX's pool (BFC), even at 0.97 of the GPU, the
     # temporaries found no room in one piece (2026-12-03). With mesh.allocator=platform (no pool)
     # the step ran (2026-12-04: one step, 204 s with its compile; the call's time limit ended the
     # second): budget ~6 min for this entry. No plan compiled first (~170 s at 256K).
-    "256k": "student --config configs/32k.py --seq-len 262144 --docs 32 --accum 1 --steps 3 "
-            "--mem-fraction 0.97 --set opt.state_memory=host --set student.remat=full "
-            "--set mesh.allocator=platform",
+    # (configs/256k.py: remat full, moments on the host, mesh.allocator platform, 0.97.)
+    "256k": "student --config configs/256k.py --docs 32 --accum 1 --steps 3",
     # 2.1M tokens each, 8 regions (64 rows at 8K and 16 at 32K until 2026-12-03: two regions, so
     # the writes left after the last batch, one region's, weighed ~5% of the run; a real cache
     # of billions of tokens pays them once per split). write_cache logs that drain.
