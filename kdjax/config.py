@@ -80,6 +80,10 @@ def base() -> ml_collections.ConfigDict:
   c.workdir = "runs/demo"  # every output of the run lives here
   c.seed = 0  # model init, data order
   c.stages = ("data", "cache", "train", "eval")  # run in order; each skips complete work
+  # Compiled XLA programs kept on disk (JAX's persistent compilation cache), so a rerun (a resumed
+  # crash, a later stage, the next run of the same shapes) loads them instead of compiling again:
+  # minutes at long context. "workdir": <workdir>/compile_cache; or a folder; "" off.
+  c.compile_cache = "workdir"
 
   c.data = ml_collections.ConfigDict()
   c.data.source = "stdlib"  # "stdlib" (Python's own sources) or a .jsonl / .parquet path

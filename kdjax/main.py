@@ -6,13 +6,14 @@ its checkpoint or its finished cache regions. Of several processes, one lost, or
 own error, makes the others print which and exit 75 (kdjax.peers).
 """
 import logging
+import os
 import sys
 
 import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from kdjax import config, errors, parallel, peers, pipeline
+from kdjax import config, errors, parallel, peers, pipeline, workdir
 
 config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 flags.DEFINE_bool("debug", False, "Show the traceback of user errors too (or set KDJAX_DEBUG=1).")
@@ -38,6 +39,8 @@ def main(argv):
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every checkpoint at INFO
   c = flags.FLAGS.config
   parallel.claim_memory(c.mesh.memory_fraction, c.mesh.allocator)
+  if workdir.compile_cache_dir(c):  # before anything compiles
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(workdir.compile_cache_dir(c)))
   # a run of several processes (launch/multiprocess.sh): each watches the others (kdjax.peers)
   parallel.initialize_distributed(c.mesh.failure_timeout_s)
   peers.watch(c.mesh.failure_timeout_s)

@@ -11,6 +11,12 @@ from kdjax import tokenizer
 from kdjax.tokenizer import Tokenizer
 
 
+def compile_cache_dir(c) -> str:
+  """The folder of the run's compiled programs (config compile_cache), or "" when off."""
+  return os.path.join(c.workdir, "compile_cache") if c.compile_cache == "workdir" else (
+      c.compile_cache)
+
+
 @dataclasses.dataclass(frozen=True)
 class Paths:
   """Where a run's files are, and its tokenizers (loaded on first use, then kept)."""

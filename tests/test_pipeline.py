@@ -70,6 +70,8 @@ def test_long_context_smoke_config_runs(tmp_path):
   run_main("32k.py:smoke", tmp_path / "w")
   results = json.load(open(tmp_path / "w" / "eval.json"))
   assert set(results) == {"student_init", "teacher", "student"}
+  # the compiled programs stay for a rerun (config compile_cache: <workdir>/compile_cache)
+  assert any((tmp_path / "w" / "compile_cache").iterdir())
 
 
 def test_training_killed_by_sigkill_resumes_to_the_same_result(demo_run, tmp_path):
