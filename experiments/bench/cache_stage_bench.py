@@ -8,7 +8,8 @@ included.
    when already there.
 2. `python -m kdjax.main --config=configs/smollm2.py` on them with `stages=('data', 'cache')`
    (configs/smollm2.py's cache settings: compact layout, k = 100, 32 rows of 2048 per teacher
-   call); any earlier cache under OUT/run is removed first, so the stage writes it whole.
+   call); any earlier cache and compiled programs under OUT/run are removed first, so the stage
+   writes it whole and compiles as a first run does.
 3. The stage's wall time from OUT/run/stages.jsonl, the positions written (both splits), the
    teacher's own log lines (rate per split, writes left after the last batch); one line appended
    to --results.
@@ -51,7 +52,8 @@ def main():
   subprocess.run(prepare, check=True, cwd=ROOT)
 
   run = os.path.abspath(args.workdir or os.path.join(out, "run"))
-  shutil.rmtree(os.path.join(run, "cache"), ignore_errors=True)
+  for done in ("cache", "compile_cache"):  # the stage writes the cache whole and compiles afresh
+    shutil.rmtree(os.path.join(run, done), ignore_errors=True)
   overrides = [f"--config.workdir={run}", f"--config.teacher.hf_path={out}/hf",
                f"--config.data.tokenizer={out}/hf",
                f"--config.data.source={out}/corpus/train.jsonl",
