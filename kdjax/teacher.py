@@ -314,12 +314,13 @@ def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_s
                  done - started, total / max(done - started, 1e-9), done - computed)
 
 
-def documents_bound(data_store, todo, rows_per_read=4096) -> int:
+def documents_bound(data_store, todo, positions_per_read=1 << 24) -> int:
   """attention.documents_bound over every row of `todo` [(start, stop)]: one compiled teacher
   step for the whole pass (a bound per region compiled once per distinct bound, seconds each
   for a real teacher). A larger bound than a batch needs costs only cuDNN's per-document
   statistics, linear in it."""
   most = 1
+  rows_per_read = max(1, positions_per_read // data_store.seq_len)  # 64 MB of int32 at most
   for start, stop in todo:
     for lo in range(start, stop, rows_per_read):
       segment_ids = data_store.read_array("segment_ids", slice(lo, min(stop, lo + rows_per_read)))

@@ -157,7 +157,7 @@ def test_one_documents_bound_for_the_whole_pass(tmp_path, monkeypatch, make_data
   mixed = cache.open(tmp_path / "mixed")
   assert teacher.documents_bound(mixed, [(0, 6)]) == 1
   assert teacher.documents_bound(mixed, [(0, 10)]) == 8
-  assert teacher.documents_bound(mixed, [(0, 10)], rows_per_read=2) == 8
+  assert teacher.documents_bound(mixed, [(0, 10)], positions_per_read=2 * T) == 8
   model = make_teacher()
   bounds = []
   step = teacher.topk_batch
