@@ -30,6 +30,7 @@ within its document: sum over documents of len^2 / 2, over T). MFU divides by
 reporting.peak_flops() (989 TFLOP/s, H200 dense bf16).
 """
 import argparse
+import contextlib
 import datetime
 import functools
 import importlib.util
@@ -39,6 +40,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -85,10 +87,41 @@ def synthetic_cache(path, rng, *, rows, seq_len, docs, vocab, k):
   return cache.open(path)
 
 
+class GpuMemoryWatch:
+  """The most memory nvidia-smi saw in use on any GPU since start(), sampled every 0.2 s: the peak
+  where JAX keeps none (mesh.allocator "platform"); it counts the CUDA context too (~0.5 GiB)."""
+
+  def __init__(self):
+    self.most_mib, self.proc = 0.0, None
+
+  def start(self):
+    try:
+      self.proc = subprocess.Popen(
+          ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-lms",
+           "200"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    except OSError:  # no nvidia-smi: no reading
+      return
+    threading.Thread(target=self._read, daemon=True).start()
+
+  def _read(self):
+    for line in self.proc.stdout:
+      with contextlib.suppress(ValueError):
+        self.most_mib = max(self.most_mib, float(line.strip()))
+
+  def gib(self) -> float:
+    return self.most_mib / 1024 if self.most_mib else float("nan")
+
+
+WATCH = GpuMemoryWatch()
+
+
 def peak_gib() -> float:
-  """The largest peak of this process's devices (CPU: none, nan)."""
-  stats = [d.memory_stats() or {"peak_bytes_in_use": float("nan")} for d in jax.local_devices()]
-  return max(s["peak_bytes_in_use"] for s in stats) / 2**30
+  """The largest peak of this process's devices (JAX's statistics; where it keeps none,
+  nvidia-smi's largest reading since the start, else nan: CPU)."""
+  stats = [d.memory_stats() or {} for d in jax.local_devices()]
+  if all("peak_bytes_in_use" in s for s in stats):
+    return max(s["peak_bytes_in_use"] for s in stats) / 2**30
+  return WATCH.gib()
 
 
 def mesh_of(c):
@@ -385,6 +418,8 @@ def main():
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
   mesh_cfg = load_config(args.config, args.set).mesh
   parallel.claim_memory(mesh_cfg.memory_fraction, mesh_cfg.allocator)  # as kdjax.main
+  if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform":  # JAX keeps no peak then
+    WATCH.start()
   result = run_student(args) if args.mode == "student" else run_teacher(args)
   result.update(name=args.name, config=getattr(args, "config", ""), overrides=args.set,
                 mem_fraction=float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]),
