@@ -51,8 +51,13 @@ def budget_bytes(memory_gib: float) -> float | None:
   """opt.memory_gib in bytes; 0: the device's allocation limit (None where it has none: CPU)."""
   if memory_gib:
     return memory_gib * GIB
-  stats = jax.local_devices()[0].memory_stats() or {}
-  return stats.get("bytes_limit")
+  device = jax.local_devices()[0]
+  limit = (device.memory_stats() or {}).get("bytes_limit")
+  if limit is None and device.platform != "cpu":
+    raise UserError("remat 'auto' plans against the GPU's allocation limit, which JAX does not "
+                    "report with mesh.allocator='platform': set opt.memory_gib (GiB it may plan "
+                    "for) or student.remat to a policy (configs/256k.py: 'full').")
+  return limit
 
 
 def tokens_per_device(tokens_BxT) -> int:

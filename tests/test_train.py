@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from kdjax import cache, config, remat_auto, train
+from kdjax.errors import UserError
 from kdjax.models import remat
 from kdjax.data.packing import next_token_labels
 from kdjax.models import llama
@@ -242,6 +243,17 @@ def test_online_objective_runs_the_teacher_beside_the_step(tmp_path, rng):
             loss_cfg=loss_cfg, hard_labels=False, seed=0, targets=targets)
   rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
   assert rows[-1]["kl"] < rows[0]["kl"]
+
+
+def test_remat_auto_without_a_device_limit_on_a_gpu_asks_for_one(monkeypatch):
+  """mesh.allocator 'platform': JAX reports no bytes_limit; auto must not plan as on a CPU."""
+  class Gpu:
+    platform = "gpu"
+    memory_stats = staticmethod(lambda: {"bytes_in_use": 1})
+  monkeypatch.setattr(jax, "local_devices", lambda: [Gpu()])
+  with pytest.raises(UserError, match="set opt.memory_gib"):
+    remat_auto.budget_bytes(0)
+  assert remat_auto.budget_bytes(2) == 2 * remat_auto.GIB
 
 
 @pytest.mark.slow  # seven compilations and a fit
