@@ -299,6 +299,12 @@ def validate(c: ml_collections.ConfigDict):
   _require(c.mesh.allocator in ("", "platform", "bfc", "cuda_async"),
            f"mesh.allocator must be '', 'platform', 'bfc' or 'cuda_async' (JAX's "
            f"XLA_PYTHON_CLIENT_ALLOCATOR), got {c.mesh.allocator!r}")
+  for model, opt in (("student", "opt"), ("teacher", "pretrain")):
+    _require(not (c.mesh.allocator == "platform" and c[model].remat == "auto"
+                  and not c[opt].memory_gib),
+             f"{model}.remat 'auto' plans against the GPU's allocation limit, which JAX does not "
+             f"report with mesh.allocator='platform': set {opt}.memory_gib or {model}.remat to "
+             f"a policy")
   _require(c.mesh.failure_timeout_s > 0,
            f"mesh.failure_timeout_s must be > 0 seconds, got {c.mesh.failure_timeout_s}")
   _require(c.mesh.tensor == 1 or c.loss.impl not in ("reference", "paper"),

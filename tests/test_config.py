@@ -103,3 +103,15 @@ def test_stages_must_be_known_and_ordered():
   c.stages = ("data", "distil")
   with pytest.raises(ValueError, match="unknown stages"):
     config.validate(c)
+
+
+def test_remat_auto_with_the_platform_allocator_needs_a_memory_budget():
+  """JAX reports no allocation limit under mesh.allocator 'platform': auto has nothing to plan
+  against, refused before any stage runs; a budget (or a policy) makes it valid."""
+  c = config.base()
+  c.student.remat = "auto"
+  c.mesh.allocator = "platform"
+  with pytest.raises(ValueError, match=re.escape("config: student.remat 'auto' plans against")):
+    config.validate(c)
+  c.opt.memory_gib = 120.0
+  config.validate(c)
