@@ -211,13 +211,19 @@ class Store:
     region's encoding takes several cores, as tensorstore's compression does: a teacher's last
     region is then written in a fraction of the time one thread would take."""
     n = len(batch["tokens"])
+    if n == 1:
+      return self._encode(start, batch)
+    # Each piece lands in its rows of one array per name: no concatenation, so a region of
+    # hidden states takes no second copy.
+    stored = {name: np.empty(arr.shape, self.dtypes[name]) for name, arr in batch.items()}
+
+    def encode(a, b):
+      for name, arr in self._encode(start + a, {name: x[a:b] for name, x in batch.items()}).items():
+        stored[name][a:b] = arr
+
     edges = np.linspace(0, n, min(n, ENCODE_THREADS) + 1).astype(int)
-    pieces = list(_encoder().map(
-        lambda a, b: self._encode(start + a, {name: arr[a:b] for name, arr in batch.items()}),
-        edges[:-1], edges[1:]))
-    if len(pieces) == 1:
-      return pieces[0]
-    return {name: np.concatenate([piece[name] for piece in pieces]) for name in pieces[0]}
+    list(_encoder().map(encode, edges[:-1], edges[1:]))  # raises the first piece's error
+    return stored
 
   def write(self, start, batch):
     """Writes rows start..start+len(batch) and records every region they complete.
