@@ -224,6 +224,7 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
     return store
   store = create()
   if not store.missing(rank, world):  # complete: a reader, which any number may be at once
+    store.remove_stale_lock(rank)  # a writer killed after its last record left it
     return store
   with store.writer_lock(rank):
     failpoints.hit("locked")

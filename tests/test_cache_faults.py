@@ -317,3 +317,19 @@ def test_a_damaged_packed_cache_is_repaired_byte_identical(tmp_path, make_data, 
   assert cache.open(tmp_path / "cache", allow_partial=True).missing_regions() == [1]
   write(tiny_teacher(), data, tmp_path / "cache", layout="packed")
   assert store_files(tmp_path / "cache") == store_files(tmp_path / "whole")
+
+
+def test_a_finished_cache_drops_the_lock_file_a_killed_writer_left(tmp_path, make_data, write,
+                                                                   tiny_teacher):
+  """A writer killed after its last region was recorded leaves its lock file; the next writer of
+  that rank finds nothing to write and removes it (a live holder's lock stays)."""
+  data = make_data(tmp_path / "data", num_seqs=4, region_rows=2)
+  write(tiny_teacher(), data, tmp_path / "cache")
+  lock_path = tmp_path / "cache" / "writer-rank0.lock"
+  lock_path.write_text('{"pid": 1, "host": "elsewhere"}')  # nobody holds its flock
+  write(tiny_teacher(), data, tmp_path / "cache")
+  assert not lock_path.exists()
+  with cache.open(tmp_path / "cache").writer_lock(0):
+    write(tiny_teacher(), data, tmp_path / "cache")
+    assert lock_path.exists()
+  assert not lock_path.exists()

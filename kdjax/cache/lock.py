@@ -64,3 +64,21 @@ def hold(path, what):
     with contextlib.suppress(FileNotFoundError):
       os.unlink(path)
     os.close(fd)
+
+
+def remove_if_stale(path):
+  """Removes the lock file at `path` if no live process holds it (one left by a writer that was
+  killed after its last region was recorded: nothing would take it over). A held lock stays."""
+  try:
+    fd = os.open(path, os.O_RDWR)
+  except OSError:  # none, or a read-only store: nothing to do
+    return
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with contextlib.suppress(FileNotFoundError):
+      if os.stat(path).st_ino == os.fstat(fd).st_ino:  # the same file, not a new holder's
+        os.unlink(path)
+  except OSError:  # held by a live writer, or no locks on this filesystem: leave it
+    pass
+  finally:
+    os.close(fd)

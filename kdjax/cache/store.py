@@ -152,7 +152,14 @@ class Store:
 
   def writer_lock(self, rank):
     """Context manager held while this process writes the regions of `rank` (see lock.py)."""
-    return lock.hold(os.path.join(self.path, f"writer-rank{rank}.lock"), f"writer of rank {rank}")
+    return lock.hold(self._lock_path(rank), f"writer of rank {rank}")
+
+  def remove_stale_lock(self, rank):
+    """The lock file of `rank` left by a dead writer is removed (lock.remove_if_stale)."""
+    lock.remove_if_stale(self._lock_path(rank))
+
+  def _lock_path(self, rank):
+    return os.path.join(self.path, f"writer-rank{rank}.lock")
 
   def _uncovered(self, region, partial):
     """Runs of the region's rows that no partial record covers."""
