@@ -79,22 +79,23 @@ def stage_cache(c, paths: Paths):
   # Of several processes each writes its own regions, unless they all run one teacher.
   rank, world = ((c.cache.rank, c.cache.world) if parallel.spans_processes(mesh)
                  else parallel.cache_rank(c.cache.rank, c.cache.world))
+  hidden = {"train": hidden_dim, "eval": 0}
+  splits = [split for split in hidden
+            if not _holds_top_k(paths.cache(split), c.cache.k, attrs["teacher_hash"],
+                                hidden[split])]
+  data = {split: cache.open(paths.data(split)) for split in splits}
+  # One bound on the documents per row for the splits to write: one compiled teacher step, not
+  # one per split (a real teacher's compile takes seconds).
+  max_documents = max((teacher.documents_bound(store, [(0, store.num_seqs)])
+                       for store in data.values()), default=1)
   # SIGTERM stops every process between two regions (kdjax.peers.Stop), to resume from them.
-  data = {split: cache.open(paths.data(split)) for split in ("train", "eval")}
-  # One bound on the documents per row for both splits: one compiled teacher step, not one
-  # per split (a real teacher's compile takes seconds).
-  max_documents = max(teacher.documents_bound(store, [(0, store.num_seqs)])
-                      for store in data.values())
   with peers.Stop("cache", lockstep=parallel.spans_processes(mesh)) as stop:
-    for split in ("train", "eval"):
-      split_hidden = hidden_dim if split == "train" else 0
-      if _holds_top_k(paths.cache(split), c.cache.k, attrs["teacher_hash"], split_hidden):
-        continue
+    for split in splits:
       teacher.write_cache(model, data[split], paths.cache(split), k=c.cache.k,
                           batch_size=c.cache.batch_size, chunk_size=c.cache.chunk_size,
                           vocab_size=model.lm_head_DxV().shape[1], attrs=attrs,
                           layout=c.cache.layout, rank=rank, world=world,
-                          region_rows=c.cache.region_rows or None, hidden_dim=split_hidden,
+                          region_rows=c.cache.region_rows or None, hidden_dim=hidden[split],
                           mesh=mesh, writers=c.cache.writers, before_region=stop.before_region,
                           max_documents=max_documents)
       stop.barrier(f"cache {split}")  # every region written before anyone reads the split
