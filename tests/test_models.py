@@ -129,6 +129,12 @@ def test_every_remat_policy_gives_the_loss_and_gradients_of_none(policy, family)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def test_dots_attention_names_cudnns_forward_primitive():
+  """"dots_attention" keeps the outputs of a primitive found by name: the pinned JAX's."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_sdpa
+  assert cudnn_sdpa._dot_product_attention_fwd_p_wrapper.name == remat.CUDNN_ATTENTION_FWD
+
+
 def test_remat_reads_the_old_switch_and_refuses_unknown_policies():
   assert make_cfg(remat=True).remat == "full" and make_cfg(remat=False).remat == "none"
   with pytest.raises(ValueError, match="remat must be one of"):

@@ -11,6 +11,11 @@ twice. Between the two, a policy keeps some (jax.checkpoint_policies):
              and the attention's forward (its cuDNN statistics are not tagged).
   "dots"     keep the output of every matmul without batch dimensions (the projections) and
              recompute the rest, attention included.
+  "dots_attention"  as "dots", and keep cuDNN's attention outputs (output and log-normalisers,
+             by a policy on its forward primitive), so the backward does not rerun the
+             attention's forward (with the einsum attention: "dots"). Worth it where a row
+             takes one cuDNN call per layer (up to 2^18 positions per call, see
+             kdjax.models.attention): each call's output spans the whole row.
   "offload"  as "names", but the kept values wait in pinned host memory, not on the GPU: the
              copies overlap the compute when the link keeps up.
   "full"     keep only the block's input; recompute the whole block (activation memory ~ one
@@ -18,8 +23,8 @@ twice. Between the two, a policy keeps some (jax.checkpoint_policies):
 
 Measured and dropped (BENCHMARKS.md, "Long rows"): the block's input offloaded to pinned host
 memory (a checkpoint_name on it, jax's Offloadable), and cuDNN's attention outputs kept beside
-the input (a policy on its forward primitive): XLA planned both at twice "full"'s temporaries
-or more.
+the input alone: XLA planned both at twice "full"'s temporaries or more (at 128K, 8 cuDNN calls
+per layer, each keeping a whole row's output).
 
 Every policy computes the same loss and gradients (tests/test_models.py); which one is fastest
 and what each costs at the paper's shapes is measured in BENCHMARKS.md ("Rematerialisation").
@@ -33,12 +38,15 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
-POLICIES = ("none", "names", "dots", "offload", "full")
+POLICIES = ("none", "names", "dots", "dots_attention", "offload", "full")
 CHOICES = POLICIES + ("auto",)
 # Fastest first, as measured on the H200 (BENCHMARKS.md, "Rematerialisation"); "auto" takes the
 # first that fits. "offload" is left out: slower than "full" there, and larger.
-AUTO_ORDER = ("none", "dots", "names", "full")
+AUTO_ORDER = ("none", "dots_attention", "dots", "names", "full")
 SAVED = ("query", "key", "value", "attention", "mlp_gate", "mlp_up")
+# The cuDNN attention's forward primitive (jax._src.cudnn, JAX 0.11): its outputs are what the
+# attention's backward reads besides q, k, v.
+CUDNN_ATTENTION_FWD = "dot_product_attention_fwd_wrapper"
 
 
 def name(value_BxTx_: jax.Array, tag: str) -> jax.Array:
@@ -54,6 +62,11 @@ def normalize(remat) -> str:
   return remat
 
 
+def _dots_and_attention(prim, *args, **params) -> bool:
+  return (prim.name == CUDNN_ATTENTION_FWD
+          or jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params))
+
+
 def wrap(fn, remat: str):
   """fn (a block's call: module first, then arrays) under the policy; "none" returns fn."""
   if remat == "none":
@@ -65,6 +78,7 @@ def wrap(fn, remat: str):
       "full": policies.nothing_saveable,
       "names": policies.save_only_these_names(*SAVED),
       "dots": policies.dots_with_no_batch_dims_saveable,
+      "dots_attention": _dots_and_attention,
       "offload": policies.save_and_offload_only_these_names(
           names_which_can_be_saved=[], names_which_can_be_offloaded=list(SAVED),
           offload_src="device", offload_dst="pinned_host"),
@@ -82,5 +96,6 @@ def saved_bytes_per_token(cfg, policy: str) -> int:
   values = {"full": d,
             "names": d + q + 2 * kv + q + 2 * f,  # input, q, k, v, attention, gate, up
             "dots": d + q + 2 * kv + d + 2 * f + d,  # input and every projection's output
+            "dots_attention": d + q + 2 * kv + d + 2 * f + d + q,  # and the attention's output
             "none": d + q + 2 * kv + q + 3 * f}  # input, q, k, v, attention, gate, up, SiLU
   return values[policy] * jnp.dtype(cfg.dtype).itemsize
