@@ -18,6 +18,8 @@ SWEEP = {
                 f"student.remat=names {ONE_ROW}",
     "8k-dots": "student --config configs/8k.py --docs 4 --memory --set "
                f"student.remat=dots {ONE_ROW}",
+    "8k-dots_attention": "student --config configs/8k.py --docs 4 --memory --set "
+                         f"student.remat=dots_attention {ONE_ROW}",
     "8k-offload": "student --config configs/8k.py --docs 4 --memory --set "
                   f"student.remat=offload {ONE_ROW}",
     "8k-full": "student --config configs/8k.py --docs 4 --memory --set "
@@ -31,6 +33,8 @@ SWEEP = {
     "32k": "student --config configs/32k.py --docs 8 --steps 2",
     "32k-dots": "student --config configs/32k.py --docs 8 --steps 2 --memory --set student.remat=dots "
                 "--mem-fraction 0.92",
+    "32k-dots_attention": "student --config configs/32k.py --docs 8 --steps 2 --memory --set "
+                          "student.remat=dots_attention --mem-fraction 0.92",
     "32k-accum4": "student --config configs/32k.py --docs 8 --accum 4",
     "32k-1doc": "student --config configs/32k.py --docs 1 --accum 4",
     # The 128K step's single 46 GiB block of temporaries needs that much free in one piece: more
@@ -39,8 +43,8 @@ SWEEP = {
     # 256K: XLA plans 112.67 GiB of temporaries + 18.15 of arguments with remat full and the
     # moments in host memory (`--steps 0`); in JAX's pool (BFC), even at 0.97 of the GPU, the
     # temporaries found no room in one piece (2026-12-03). With mesh.allocator=platform (no pool)
-    # the step ran (2026-12-04: one step, 204 s with its compile; the call's time limit ended the
-    # second): budget ~6 min for this entry. No plan compiled first (~170 s at 256K).
+    # the step ran (2026-12-04: 193 s with its compile, then 20.0 s per step): budget ~5 min for
+    # this entry. No plan compiled first (~170 s at 256K).
     # (configs/256k.py: remat full, moments on the host, mesh.allocator platform, 0.97.)
     "256k": "student --config configs/256k.py --docs 32 --accum 1 --steps 3",
     # 2.1M tokens each, 8 regions (64 rows at 8K and 16 at 32K until 2026-12-03: two regions, so
