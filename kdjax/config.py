@@ -173,7 +173,8 @@ def base() -> ml_collections.ConfigDict:
   c.mesh.failure_timeout_s = 60
   # Share of each GPU's memory JAX may allocate (XLA_PYTHON_CLIENT_MEM_FRACTION, which wins when
   # set). JAX's own default, 0.75, leaves a quarter of an H200 unused: at 0.92 remat "auto" takes
-  # the faster "dots" rather than "full" at 32K (BENCHMARKS.md, "The configs' defaults").
+  # the faster "dots_attention" rather than "full" at 32K (BENCHMARKS.md, "The configs'
+  # defaults" and "dots_attention").
   c.mesh.memory_fraction = 0.92
   # JAX's GPU allocator (XLA_PYTHON_CLIENT_ALLOCATOR, which wins when set): "" its default, a
   # pool (BFC) that must hold a program's temporaries in one free piece; "platform" allocates

@@ -13,7 +13,8 @@ the same causal attention, each timed forward alone and forward + backward (medi
     causal cuDNN): the same FLOPs without the ragged layout;
   * row_causal: one causal cuDNN call over each whole row (no document mask: more FLOPs);
   * mgpu_fwd_equal: JAX's Mosaic GPU flash attention (attention_mgpu, forward only: its backward
-    has no causal mask in JAX 0.11.2) on the equal documents as rows.
+    has no causal mask in JAX 0.11.2; float16, which its kernels take) on the equal documents
+    as rows.
 TFLOP/s count the causal, in-document FLOPs each layout needs (4 E H per query-key pair forward,
 2.5x that backward); row_causal's count is the whole row's.
 """
@@ -92,9 +93,12 @@ def measure(name, f, shape_bt, n_pairs, rng):
 
 
 def mgpu_causal(q, k, v):
+  """attention_mgpu in float16 (its kernels take no bf16 in JAX 0.11.2: the 2026-12-04 run
+  failed on a bf16 -> f16 copy), back to q's dtype."""
   from jax.experimental.pallas.ops.gpu import attention_mgpu as mgpu
   config = mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
-  return mgpu.attention(q, k, v, config)
+  f16 = lambda x: x.astype(jnp.float16)
+  return mgpu.attention(f16(q), f16(k), f16(v), config).astype(q.dtype)
 
 
 def main():
