@@ -179,7 +179,7 @@ def init_state(params, tx, opt_cfg, hidden_proj=None):
   # Every array committed to its place from the start, as the steps' outputs are: with the
   # moments in host memory (committed there) an uncommitted rest compiled grad_step and
   # apply_step a second time at step 1 (~170 s at 256K on the H200).
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's first
   opt = tx.init(train_params)
   if opt_cfg.state_memory == "host":
     opt = jax.device_put(opt, device.with_memory_kind("pinned_host"))
