@@ -28,7 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from kdjax import cache, distillation, parallel, remat_auto, reporting, resume
+from kdjax import cache, distillation, parallel, remat_auto, reporting, resume, teacher
 from kdjax.cache import failpoints
 from kdjax.data.packing import next_token_labels
 from kdjax.models import attention, llama
@@ -225,14 +225,14 @@ def _hidden_projection(loss: LossSettings, model_cfg: llama.ModelConfig, store, 
 
 
 def resolve_remat(graphdef, model_cfg, state, grads_sum, store, opt, loss, hard_labels,
-                  targets=in_batch, mesh=None):
+                  max_documents: int, targets=in_batch, mesh=None):
   """remat "auto" made a policy (kdjax/remat_auto.py), planned on the store's first micro-batch
-  with its targets (see train_step)."""
+  with its targets (see train_step) and the run's bound on documents per row: the very program
+  the first step runs, so its compile is the plan's (jit keeps the program `lower` compiled)."""
   if model_cfg.remat != "auto":
     return graphdef, model_cfg
   micro = {k: v[0] for k, v in to_step_batch(
       store.read(np.arange(min(opt.batch_size, store.num_seqs))), 1, hard_labels).items()}
-  max_documents = attention.documents_bound(micro["segment_ids"])
   if mesh is not None:
     micro = parallel.place_batch(mesh, micro)
   micro = targets(micro, max_documents)
@@ -268,16 +268,20 @@ class Trainer:
     else:
       mesh = None
     self.mesh = mesh
+    # One bound on the documents per row for the whole store, as for the teacher's pass: the
+    # step compiles once per run and once per resume (a bound grown batch by batch compiled it
+    # again at each growth, and the first step missed remat auto's plan, made on the store's first
+    # rows: 20 s at 8K, minutes at 128K, each time). A bound above what a batch needs costs only
+    # cuDNN's per-document statistics.
+    self.max_documents = teacher.documents_bound(store, [(0, store.num_seqs)])
     self.graphdef, self.model_cfg = resolve_remat(graphdef, model_cfg, self.state, self.grads_sum,
                                                   store, opt, self.loss, hard_labels,
-                                                  self.targets, mesh)
+                                                  self.max_documents, self.targets, mesh)
     self.loader = cache.Loader(store, opt.batch_size * opt.accum_steps, seed=seed, shuffle=True,
                                prefetch=opt.loader_prefetch, workers=opt.loader_workers or None,
                                hidden=self.loss.hidden_weight > 0)
     self.loader_state = self.loader.state()  # always the position matching `state`
     self.tokens_per_step = opt.batch_size * opt.accum_steps * store.seq_len
-    # Only grows (documents_bound), so the step compiles at most log2(T) times.
-    self.max_documents = 1
 
   def restore(self, run: resume.Run):
     """Continues from `run`'s latest checkpoint, if it has one."""
@@ -290,6 +294,7 @@ class Trainer:
 
   def step(self, batch_AxB: dict) -> dict:
     """One optimizer step on a batch of `next_batch`; returns its metrics, still in flight."""
+    # The store's bound holds its batches; a batch from elsewhere raises it (and compiles again).
     self.max_documents = max(self.max_documents,
                              attention.documents_bound(batch_AxB["segment_ids"]))
     if self.mesh is not None:

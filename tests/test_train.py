@@ -14,7 +14,8 @@ from kdjax.data.packing import next_token_labels
 from kdjax.models import llama
 from kdjax.plots import read_metrics
 from kdjax.teacher import OnlineTargets
-from tests.fixtures.train_run import K, S, T, V, fit, make_cache, opt_group, tiny_model_cfg
+from tests.fixtures.train_run import (K, S, T, V, compiled, fit, make_cache, opt_group,
+                                      tiny_model_cfg)
 
 
 def test_distillation_loss_falls_and_logs(tmp_path, rng):
@@ -213,6 +214,20 @@ def test_second_step_compiles_nothing(state_memory, rng):
   assert sizes[1] == sizes[0], sizes
 
 
+def test_a_run_compiles_its_step_once(tmp_path, rng):
+  """remat "auto"'s plan of the chosen policy is the program the steps run: one compile of
+  grad_step for the whole run, though the plan's first rows hold one document each and the
+  loader's batches three (their bound was the plan's, then grew: two compiles)."""
+  segment_ids = np.repeat(np.array([[1] * 6 + [2] * 5 + [3] * 5], np.int32), S, axis=0)
+  segment_ids[:2] = 1
+  store = make_cache(tmp_path / "c.zarr", rng, segment_ids=segment_ids)
+  cfg = tiny_model_cfg(remat="auto", d_model=40)  # shapes no other test compiles
+  with compiled() as names:
+    model = fit(tmp_path, store, cfg=cfg, opt=opt_group(steps=3, memory_gib=1000.0))
+  assert model.cfg.remat == remat.AUTO_ORDER[0]
+  assert names.count("jit(grad_step)") == 1, names
+
+
 def test_online_objective_runs_the_teacher_beside_the_step(tmp_path, rng):
   """objective "online": a data store (no top-k), the teacher's full softmax in every step. The
   step's loss is the full-vocabulary KL of the two models on the batch, and training lowers it."""
@@ -290,7 +305,7 @@ def test_remat_auto_takes_the_fastest_policy_that_fits(tmp_path, rng, monkeypatc
 
   def plan(memory_gib):
     return train.resolve_remat(graphdef, cfg, state, grads_sum, store,
-                               opt_group(memory_gib=memory_gib), loss, False)[1].remat
+                               opt_group(memory_gib=memory_gib), loss, False, 1)[1].remat
 
   def planned(memory_gib):  # policy -> "GiB" as the error of a budget nothing fits names them
     with pytest.raises(ValueError, match="no remat policy fits") as e:
