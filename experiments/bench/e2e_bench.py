@@ -219,8 +219,7 @@ def print_memory_analysis(trainer: train.Trainer) -> dict:
   """XLA's compiled memory plan of the two programs of a step (GiB), printed and returned."""
   loader, accum = trainer.loader, trainer.opt.accum_steps
   batch = train.to_step_batch(loader.store.read(np.arange(loader.batch_size)), accum, False)
-  kw = dict(graphdef=trainer.graphdef, loss=trainer.loss,
-            max_documents=attention.documents_bound(batch["segment_ids"]))
+  kw = dict(graphdef=trainer.graphdef, loss=trainer.loss, max_documents=trainer.max_documents)
   micro = trainer.targets({k: v[0] for k, v in batch.items()}, kw["max_documents"])
   trained = train.trained(trainer.state)
   _, metrics = jax.eval_shape(functools.partial(train.grad_step, **kw), trained,
