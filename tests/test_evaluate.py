@@ -1,4 +1,5 @@
 """kdjax.evaluate against a float64 dense reference: a real tiny Llama, a real cache store."""
+import jax
 import numpy as np
 from flax import nnx
 
@@ -9,10 +10,12 @@ from kdjax.models import llama
 V, T, K, N = 97, 11, 7, 5  # T and V odd: no chunk or tile divides them
 
 
-def test_matches_dense_float64_reference(tmp_path, rng):
-  cfg = llama.ModelConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
-                          head_dim=8, d_ff=32, attention_impl="einsum")
-  model = llama.Transformer(cfg, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+CFG = llama.ModelConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                       head_dim=8, d_ff=32, attention_impl="einsum")
+
+
+def write_cache(tmp_path, rng) -> dict:
+  """A cache of N rows (two documents in one, padding in another) at tmp_path/c.zarr; its rows."""
   segment_ids_NxT = np.ones((N, T), np.int32)
   segment_ids_NxT[0, 6:] = 2  # a second document
   segment_ids_NxT[1, 8:] = 0  # padding
@@ -29,6 +32,13 @@ def test_matches_dense_float64_reference(tmp_path, rng):
   store = cache.create(tmp_path / "c.zarr", num_seqs=N, seq_len=T, k=K, vocab_size=V,
                        attrs={"teacher_hash": "t", "tokenizer_hash": "tok"})
   store.write(0, rows)
+  return rows
+
+
+def test_matches_dense_float64_reference(tmp_path, rng):
+  model = llama.Transformer(CFG, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+  rows = write_cache(tmp_path, rng)
+  ids_NxTxK = rows["topk_ids"]
 
   got = evaluate.evaluate(model, cache.open(tmp_path / "c.zarr"), batch_size=2, max_seqs=0,
                           chunk_size=4)
@@ -48,6 +58,21 @@ def test_matches_dense_float64_reference(tmp_path, rng):
   np.testing.assert_allclose(got["kl"], kl_NxT[mask].mean(), rtol=1e-4)
   np.testing.assert_allclose(got["ce"], ce_NxT[mask].mean(), rtol=1e-5)
   np.testing.assert_allclose(got["top1_agreement"], top1_NxT[mask].mean())
+
+
+def test_fresh_and_restored_models_share_one_program(tmp_path, rng):
+  """A freshly built model's arrays are uncommitted, a restored checkpoint's committed to their
+  device: the pipeline's student before and after training are evaluated by one compiled
+  program (they compiled it twice)."""
+  write_cache(tmp_path, rng)
+  store = cache.open(tmp_path / "c.zarr")
+  fresh = llama.Transformer(CFG, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(llama.Transformer(CFG, rngs=nnx.Rngs(1)))
+  restored = nnx.merge(graphdef, jax.device_put(params, jax.devices()[0]))
+  before = evaluate._batch_sums._cache_size()
+  for model in (fresh, restored):
+    evaluate.evaluate(model, store, batch_size=N, max_seqs=0, chunk_size=4)
+  assert evaluate._batch_sums._cache_size() == before + 1
 
 
 def test_online_matches_dense_float64_reference(tmp_path, rng):
