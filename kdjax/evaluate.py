@@ -52,6 +52,7 @@ def evaluate(model: nnx.Module, store, *, batch_size: int, max_seqs: int, chunk_
   graphdef, params = nnx.split(model)
   params = committed(params)
   n = store.num_seqs if max_seqs == 0 else min(max_seqs, store.num_seqs)
+  bound = attention.store_documents_bound(store, [(0, n)])  # one program for every batch
   sums = {}
   for start in tqdm(range(0, n, batch_size), desc=desc, unit="batch", leave=False):
     rows = store.read(np.arange(start, min(start + batch_size, n)))
@@ -59,7 +60,7 @@ def evaluate(model: nnx.Module, store, *, batch_size: int, max_seqs: int, chunk_
                                    "topk_ids", "topk_logprobs")}
     batch["labels"] = next_token_labels(rows["tokens"])
     out = _batch_sums(params, batch, graphdef=graphdef, chunk_size=chunk_size,
-                      max_documents=attention.documents_bound(batch["segment_ids"]))
+                      max_documents=bound)
     for k, v in out.items():
       sums[k] = sums.get(k, 0.0) + float(v)
   count = max(sums["positions"], 1.0)
@@ -94,6 +95,7 @@ def evaluate_online(model: nnx.Module, teacher: nnx.Module, store, *, batch_size
   teacher_graphdef, teacher_params = nnx.split(teacher)
   params, teacher_params = committed(params), committed(teacher_params)
   n = store.num_seqs if max_seqs == 0 else min(max_seqs, store.num_seqs)
+  bound = attention.store_documents_bound(store, [(0, n)])  # one program for every batch
   sums, bins = {}, 0.0
   for start in tqdm(range(0, n, batch_size), desc=desc, unit="batch", leave=False):
     rows = store.read(np.arange(start, min(start + batch_size, n)))
@@ -101,7 +103,7 @@ def evaluate_online(model: nnx.Module, teacher: nnx.Module, store, *, batch_size
     batch["labels"] = next_token_labels(rows["tokens"])
     out, batch_bins = _online_sums(
         params, teacher_params, batch, graphdef=graphdef, teacher_graphdef=teacher_graphdef,
-        chunk_size=chunk_size, max_documents=attention.documents_bound(batch["segment_ids"]))
+        chunk_size=chunk_size, max_documents=bound)
     for k, v in out.items():
       sums[k] = sums.get(k, 0.0) + float(v)
     bins = bins + np.asarray(batch_bins, np.float64)

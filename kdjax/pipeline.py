@@ -22,6 +22,7 @@ import ml_collections
 from kdjax import (build, cache, checkpoints, checks, config, data, evaluate, parallel, peers,
                    plots, teacher, tokenizer, train)
 from kdjax.errors import UserError
+from kdjax.models import attention
 from kdjax.workdir import Paths
 
 
@@ -86,7 +87,7 @@ def stage_cache(c, paths: Paths):
   data = {split: cache.open(paths.data(split)) for split in splits}
   # One bound on the documents per row for the splits to write: one compiled teacher step, not
   # one per split (a real teacher's compile takes seconds).
-  max_documents = max((teacher.documents_bound(store, [(0, store.num_seqs)])
+  max_documents = max((attention.store_documents_bound(store)
                        for store in data.values()), default=1)
   # SIGTERM stops every process between two regions (kdjax.peers.Stop), to resume from them.
   with peers.Stop("cache", lockstep=parallel.spans_processes(mesh)) as stop:

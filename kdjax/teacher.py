@@ -282,7 +282,7 @@ def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_s
 
     read = lambda i: reader.submit(data_store.read, slice(*todo[i])) if i < len(todo) else None
     next_rows = read(0)
-    bound = max_documents or documents_bound(data_store, todo)
+    bound = max_documents or attention.store_documents_bound(data_store, todo)
     started = time.perf_counter()
     for i, (start, stop) in enumerate(todo):
       try:
@@ -313,20 +313,6 @@ def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_s
     logging.info("%s: %d positions in %.1f s (%.0f/s; the first batch's compile included); the "
                  "last regions' writes took %.2f s after the last batch", desc, total,
                  done - started, total / max(done - started, 1e-9), done - computed)
-
-
-def documents_bound(data_store, todo, positions_per_read=1 << 24) -> int:
-  """attention.documents_bound over every row of `todo` [(start, stop)]: one compiled teacher
-  step for the whole pass (a bound per region compiled once per distinct bound, seconds each
-  for a real teacher). A larger bound than a batch needs costs only cuDNN's per-document
-  statistics, linear in it."""
-  most = 1
-  rows_per_read = max(1, positions_per_read // data_store.seq_len)  # 64 MB of int32 at most
-  for start, stop in todo:
-    for lo in range(start, stop, rows_per_read):
-      segment_ids = data_store.read_array("segment_ids", slice(lo, min(stop, lo + rows_per_read)))
-      most = max(most, int(np.max(segment_ids, initial=1)))
-  return attention.documents_bound(np.array([most]))
 
 
 def _pad_rows(x, rows):

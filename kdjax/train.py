@@ -28,7 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from kdjax import cache, distillation, parallel, remat_auto, reporting, resume, teacher
+from kdjax import cache, distillation, parallel, remat_auto, reporting, resume
 from kdjax.cache import failpoints
 from kdjax.data.packing import next_token_labels
 from kdjax.models import attention, llama
@@ -273,7 +273,7 @@ class Trainer:
     # again at each growth, and the first step missed remat auto's plan, made on the store's first
     # rows: 20 s at 8K, minutes at 128K, each time). A bound above what a batch needs costs only
     # cuDNN's per-document statistics.
-    self.max_documents = teacher.documents_bound(store, [(0, store.num_seqs)])
+    self.max_documents = attention.store_documents_bound(store)
     self.graphdef, self.model_cfg = resolve_remat(graphdef, model_cfg, self.state, self.grads_sum,
                                                   store, opt, self.loss, hard_labels,
                                                   self.max_documents, self.targets, mesh)

@@ -42,6 +42,22 @@ def documents_bound(segment_ids_BxT: np.ndarray) -> int:
   return 1 << max(most - 1, 0).bit_length()
 
 
+def store_documents_bound(store, todo=None, positions_per_read=1 << 24) -> int:
+  """documents_bound over every row of a store's `todo` [(start, stop)] (default: all rows),
+  read in pieces of `positions_per_read` positions (64 MB of int32 at most). One bound for a
+  whole pass (the teacher's, a training run, an evaluation) compiles its program once; a bound
+  per batch compiled it again for each distinct one (seconds for a real teacher, minutes for a
+  128K training step). A larger bound than a batch needs costs only cuDNN's per-document
+  statistics, linear in it. store: anything with seq_len, num_seqs and read_array(name, rows)."""
+  most = 1
+  rows_per_read = max(1, positions_per_read // store.seq_len)
+  for start, stop in [(0, store.num_seqs)] if todo is None else todo:
+    for lo in range(start, stop, rows_per_read):
+      segment_ids = store.read_array("segment_ids", slice(lo, min(stop, lo + rows_per_read)))
+      most = max(most, int(np.max(segment_ids, initial=1)))
+  return documents_bound(np.array([most]))
+
+
 def mean_context(segment_ids_BxT: np.ndarray) -> float:
   """Mean number of keys a query attends to (causal, within its document) over the batch's
   positions, padding included: the attention term of llama.flops_per_token."""
