@@ -271,8 +271,9 @@ class Trainer:
     # One bound on the documents per row for the whole store, as for the teacher's pass: the
     # step compiles once per run and once per resume (a bound grown batch by batch compiled it
     # again at each growth, and the first step missed remat auto's plan, made on the store's first
-    # rows: 20 s at 8K, minutes at 128K, each time). A bound above what a batch needs costs only
-    # cuDNN's per-document statistics.
+    # rows: 20 s at 8K, minutes at 128K, each time). A bound grown by batches reached the same
+    # value after the store's densest row; that bound sets the cuDNN calls per layer
+    # (kdjax.models.attention.documents_per_call).
     self.max_documents = attention.store_documents_bound(store)
     self.graphdef, self.model_cfg = resolve_remat(graphdef, model_cfg, self.state, self.grads_sum,
                                                   store, opt, self.loss, hard_labels,

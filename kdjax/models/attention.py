@@ -47,8 +47,9 @@ def store_documents_bound(store, todo=None, positions_per_read=1 << 24) -> int:
   read in pieces of `positions_per_read` positions (64 MB of int32 at most). One bound for a
   whole pass (the teacher's, a training run, an evaluation) compiles its program once; a bound
   per batch compiled it again for each distinct one (seconds for a real teacher, minutes for a
-  128K training step). A larger bound than a batch needs costs only cuDNN's per-document
-  statistics, linear in it. store: anything with seq_len, num_seqs and read_array(name, rows)."""
+  128K training step). A larger bound than a batch needs costs cuDNN's per-document statistics,
+  linear in it, and more cuDNN calls per layer once it exceeds documents_per_call.
+  store: anything with seq_len, num_seqs and read_array(name, rows)."""
   most = 1
   rows_per_read = max(1, positions_per_read // store.seq_len)
   for start, stop in [(0, store.num_seqs)] if todo is None else todo:
