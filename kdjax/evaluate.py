@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from kdjax.loss import full_kl, topk_kl
 from kdjax.models import attention
-from kdjax.data.packing import next_token_labels
+from kdjax.data.packing import next_token_labels, pad_rows
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "max_documents"))
@@ -39,6 +39,15 @@ def _batch_sums(params, batch, *, graphdef, chunk_size, max_documents):
           "ce": total(terms["ce"]), "positions": jnp.sum(mask_BxT.astype(jnp.float32))}
 
 
+def _read_batch(store, start: int, n: int, batch_size: int, names) -> dict:
+  """Rows start.. of the first n as a batch of min(batch_size, n) rows (the last one padded with
+  rows outside the loss: one compiled program for every batch) and their next-token labels."""
+  rows = store.read(np.arange(start, min(start + batch_size, n)))
+  batch = {k: pad_rows(rows[k], min(batch_size, n)) for k in names}
+  batch["labels"] = next_token_labels(batch["tokens"])
+  return batch
+
+
 def committed(params):
   """The arrays of params committed where they already are (no copy). A restored checkpoint's are
   committed and a freshly built model's are not, and jit compiles its program once for each:
@@ -55,10 +64,8 @@ def evaluate(model: nnx.Module, store, *, batch_size: int, max_seqs: int, chunk_
   bound = attention.store_documents_bound(store, [(0, n)])  # one program for every batch
   sums = {}
   for start in tqdm(range(0, n, batch_size), desc=desc, unit="batch", leave=False):
-    rows = store.read(np.arange(start, min(start + batch_size, n)))
-    batch = {k: rows[k] for k in ("tokens", "positions", "segment_ids", "loss_mask",
-                                   "topk_ids", "topk_logprobs")}
-    batch["labels"] = next_token_labels(rows["tokens"])
+    batch = _read_batch(store, start, n, batch_size, ("tokens", "positions", "segment_ids",
+                                                      "loss_mask", "topk_ids", "topk_logprobs"))
     out = _batch_sums(params, batch, graphdef=graphdef, chunk_size=chunk_size,
                       max_documents=bound)
     for k, v in out.items():
@@ -98,9 +105,8 @@ def evaluate_online(model: nnx.Module, teacher: nnx.Module, store, *, batch_size
   bound = attention.store_documents_bound(store, [(0, n)])  # one program for every batch
   sums, bins = {}, 0.0
   for start in tqdm(range(0, n, batch_size), desc=desc, unit="batch", leave=False):
-    rows = store.read(np.arange(start, min(start + batch_size, n)))
-    batch = {k: rows[k] for k in ("tokens", "positions", "segment_ids", "loss_mask")}
-    batch["labels"] = next_token_labels(rows["tokens"])
+    batch = _read_batch(store, start, n, batch_size,
+                        ("tokens", "positions", "segment_ids", "loss_mask"))
     out, batch_bins = _online_sums(
         params, teacher_params, batch, graphdef=graphdef, teacher_graphdef=teacher_graphdef,
         chunk_size=chunk_size, max_documents=bound)

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from kdjax import cache, parallel
 from kdjax.cache import failpoints
+from kdjax.data.packing import pad_rows
 from kdjax.models import attention
 
 _TOKEN_ARRAYS = ("tokens", "segment_ids", "positions", "loss_mask")
@@ -298,8 +299,8 @@ def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_s
       # At most `in_flight` batches dispatched and not yet read (parallel.in_flight: on CPU
       # devices more deadlock in XLA's collectives; on a GPU they also bound its memory).
       for lo in range(0, stop - start, batch_size):
-        dispatched.append((region, lo, step(*(place(_pad_rows(rows[name][lo:lo + batch_size],
-                                                                batch_size))
+        dispatched.append((region, lo, step(*(place(pad_rows(rows[name][lo:lo + batch_size],
+                                                               batch_size))
                                               for name in ("tokens", "positions", "segment_ids")),
                                             max_documents=bound)))
         if len(dispatched) >= in_flight:
@@ -313,11 +314,6 @@ def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_s
     logging.info("%s: %d positions in %.1f s (%.0f/s; the first batch's compile included); the "
                  "last regions' writes took %.2f s after the last batch", desc, total,
                  done - started, total / max(done - started, 1e-9), done - computed)
-
-
-def _pad_rows(x, rows):
-  # Every call gets `rows` rows, so the step compiles once; the padding rows' outputs are dropped.
-  return np.pad(x, [(0, rows - len(x))] + [(0, 0)] * (x.ndim - 1))
 
 
 def weights_hash(root: str) -> str:

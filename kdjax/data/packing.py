@@ -144,6 +144,12 @@ class _Row:
             "loss_mask": loss_mask_T}
 
 
+def pad_rows(x_NxAny: np.ndarray, rows: int) -> np.ndarray:
+  """x with zero rows appended up to `rows`: padding rows (segment 0, nothing in the loss), so a
+  pass's last, shorter batch runs the program its other batches compiled."""
+  return np.pad(x_NxAny, [(0, rows - len(x_NxAny))] + [(0, 0)] * (x_NxAny.ndim - 1))
+
+
 def next_token_labels(tokens_BxT: np.ndarray) -> np.ndarray:
   """labels[t] = tokens[t + 1]; the last position gets 0 and is masked by loss_mask."""
   labels_BxT = np.zeros_like(tokens_BxT)
