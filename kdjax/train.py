@@ -180,16 +180,11 @@ def init_state(params, tx, opt_cfg, hidden_proj=None):
   # moments in host memory (committed there) an uncommitted rest compiled grad_step and
   # apply_step a second time at step 1 (~170 s at 256K on the H200).
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's first
-  opt = tx.init(train_params)
-  if opt_cfg.state_memory == "host":
-    opt = jax.device_put(opt, device.with_memory_kind("pinned_host"))
+  opt_place = device.with_memory_kind("pinned_host") if opt_cfg.state_memory == "host" else device
+  opt = jax.device_put(tx.init(train_params), opt_place)
+  state = jax.device_put({**train_params, "step": jnp.zeros((), jnp.int32)}, device)
   grads_sum = jax.tree.map(lambda p: jnp.zeros(p.shape, opt_cfg.accum_dtype), train_params)
-  state = {**train_params, "opt": opt, "step": jnp.zeros((), jnp.int32)}
-  if opt_cfg.state_memory == "host":
-    state = {k: v if k == "opt" else jax.device_put(v, device) for k, v in state.items()}
-  else:
-    state = jax.device_put(state, device)
-  return state, jax.device_put(grads_sum, device)
+  return {**state, "opt": opt}, jax.device_put(grads_sum, device)
 
 
 def train_step(state, grads_sum, batch_AxB: dict, *, graphdef, tx, loss: LossSettings,

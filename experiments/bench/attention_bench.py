@@ -23,7 +23,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -34,6 +33,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import e2e_bench  # noqa: E402
 from e2e_bench import packed_segments  # noqa: E402
 from kdjax.models import attention as attn  # noqa: E402
 
@@ -133,14 +133,12 @@ def main():
       ("row_causal", plain(whole), (b, t), pairs(whole)),
       ("mgpu_fwd_equal", mgpu_causal, (b * m, t // m), pairs(one_doc)),
   ]
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, cwd=ROOT).stdout.strip()
-  commit = os.environ.get("KDJAX_COMMIT", commit)
+  commit = e2e_bench.commit()
   device = str(jax.devices()[0].device_kind)
   for i, (name, f, shape, n) in enumerate(ways):
     row = measure(name, f, shape, n, i)
     row.update(docs=m, heads=[H, G, E], commit=commit, device=device,
-               date=time.strftime("%Y-%m-%d"), mean_context=n / (b * t))
+               date=e2e_bench.today(), mean_context=n / (b * t))
     print(json.dumps(row), flush=True)
     if args.results:
       with open(args.results, "a") as fh:
