@@ -47,29 +47,75 @@ def hidden_projection_DxH(width, hidden_dim, seed=HIDDEN_PROJECTION_SEED):
       hidden_dim)
 
 
-# Columns per block of exact_top_k's first stage: ~sqrt(V / k) balances its two top_k calls
-# (V / W block maxima, then k x W candidates): 201,088 / 64 = 3,142 and 6,400 at gpt-oss's V.
-TOPK_BLOCK = 64
+# Columns per block at each level of exact_top_k: V / 64 block maxima (2004 at V = 128256), then
+# the k best blocks' k x 64 columns in blocks of 8 (k x 8 maxima), then their k x 8 columns: three
+# top_k calls over <= 2048 columns where one over the k x 64 candidates sorted 8192-wide
+# (XLA's top_k for k > 16 sorts whole rows; experiments/bench/topk_bench.py measures the choices).
+TOPK_BLOCKS = (64, 8)
 
 
-def exact_top_k(x_NxV, k: int, block: int = TOPK_BLOCK):
-  """jax.lax.top_k(x, k) over the last axis, in two small top_k calls instead of one over V
-  (XLA's top_k for k > 16 sorts whole rows: ~8x the lm_head matmul at V = 201,088 on an H200).
-  Exact: the k blocks of `block` columns with the largest maxima hold at least k entries at or
-  above the k-th of those maxima, so the k largest entries all lie in them; ties may pick other
-  ids of equal value. Returns (values [N, K], ids [N, K]) as top_k does."""
+def _blocked(x_NxV, block):
+  """x as [N, B, W] blocks of `block` columns, the last one padded with -inf."""
   rows, vocab = x_NxV.shape
   blocks = -(-vocab // block)
-  if blocks < 2 * k:  # too few blocks to gain
+  return jnp.pad(x_NxV, ((0, 0), (0, blocks * block - vocab)),
+                 constant_values=-jnp.inf).reshape(rows, blocks, block)
+
+
+def _top_k_of_blocks(x_NxBxW, maxima_NxB, k, blocks):
+  """exact_top_k given x's first level of blocks and their maxima."""
+  rows, _, width = x_NxBxW.shape
+  _, top_NxK = jax.lax.top_k(maxima_NxB, k)
+  x_NxM = jnp.take_along_axis(x_NxBxW, top_NxK[..., None], axis=1).reshape(rows, k * width)
+  ids_NxM = (top_NxK[..., None] * width + jnp.arange(width)[None, None]).reshape(rows, k * width)
+  for block in blocks:  # the next levels, over the candidates (k * width columns: no padding)
+    if k * width // block < 2 * k:
+      break
+    x_NxBxW = x_NxM.reshape(rows, -1, block)
+    _, top_NxK = jax.lax.top_k(jnp.max(x_NxBxW, axis=-1), k)
+    x_NxM = jnp.take_along_axis(x_NxBxW, top_NxK[..., None], axis=1).reshape(rows, k * block)
+    cols_NxM = (top_NxK[..., None] * block + jnp.arange(block)[None, None]).reshape(
+        rows, k * block)
+    ids_NxM, width = jnp.take_along_axis(ids_NxM, cols_NxM, axis=1), block
+  values_NxK, at_NxK = jax.lax.top_k(x_NxM, k)
+  return values_NxK, jnp.take_along_axis(ids_NxM, at_NxK, axis=1)
+
+
+def _levels(vocab, k, blocks):
+  """The block widths exact_top_k uses at V: none when V has too few blocks to gain."""
+  if any(wide % narrow for wide, narrow in zip(blocks, blocks[1:])):
+    raise ValueError(f"top-k blocks {blocks}: each width must divide the one before it")
+  return tuple(blocks) if blocks and -(-vocab // blocks[0]) >= 2 * k else ()
+
+
+def exact_top_k(x_NxV, k: int, blocks=TOPK_BLOCKS):
+  """jax.lax.top_k(x, k) over the last axis, in small top_k calls instead of one over V
+  (XLA's top_k for k > 16 sorts whole rows: ~8x the lm_head matmul at V = 201,088 on an H200).
+  Exact: the k blocks with the largest maxima hold at least k entries at or above the k-th of
+  those maxima, so the k largest entries all lie in them; each level applies this to the previous
+  level's k x W candidates. Ties may pick other ids of equal value. Returns (values [N, K],
+  ids [N, K]) as top_k does."""
+  levels = _levels(x_NxV.shape[-1], k, blocks)
+  if not levels:
     return jax.lax.top_k(x_NxV, k)
-  x_NxBxW = jnp.pad(x_NxV, ((0, 0), (0, blocks * block - vocab)),
-                    constant_values=-jnp.inf).reshape(rows, blocks, block)
-  _, top_blocks_NxK = jax.lax.top_k(jnp.max(x_NxBxW, axis=-1), k)
-  candidates_NxKW = jnp.take_along_axis(x_NxBxW, top_blocks_NxK[..., None], axis=1).reshape(
-      rows, k * block)
-  values_NxK, at_NxK = jax.lax.top_k(candidates_NxKW, k)
-  ids_NxK = jnp.take_along_axis(top_blocks_NxK, at_NxK // block, axis=1) * block + at_NxK % block
-  return values_NxK, ids_NxK
+  x_NxBxW = _blocked(x_NxV, levels[0])
+  return _top_k_of_blocks(x_NxBxW, jnp.max(x_NxBxW, axis=-1), k, levels[1:])
+
+
+def top_k_logprobs(logits_NxV, k: int, blocks=TOPK_BLOCKS):
+  """The top k (log-softmax values [N, K], ids [N, K]) of float32 logits: exact_top_k, with the
+  softmax's shift taken from its first level's block maxima, so the logits are read twice (block
+  maxima; the sum of exponentials) where logsumexp and the blocks read them three times."""
+  levels = _levels(logits_NxV.shape[-1], k, blocks)
+  if not levels:
+    values_NxK, ids_NxK = jax.lax.top_k(logits_NxV, k)
+    return values_NxK - jax.nn.logsumexp(logits_NxV, axis=-1)[:, None], ids_NxK
+  x_NxBxW = _blocked(logits_NxV, levels[0])
+  maxima_NxB = jnp.max(x_NxBxW, axis=-1)
+  shift_N = jnp.max(maxima_NxB, axis=-1)
+  lse_N = shift_N + jnp.log(jnp.sum(jnp.exp(logits_NxV - shift_N[:, None]), axis=-1))
+  values_NxK, ids_NxK = _top_k_of_blocks(x_NxBxW, maxima_NxB, k, levels[1:])
+  return values_NxK - lse_N[:, None], ids_NxK
 
 
 def topk_logprobs(hidden_BxTxD, lm_head_DxV, *, k, chunk_size):
@@ -85,11 +131,9 @@ def topk_logprobs(hidden_BxTxD, lm_head_DxV, *, k, chunk_size):
     # float32 logits: log-probs of the tail entries lose most of their digits in bf16.
     logits_BxCxV = jnp.einsum("bcd,dv->bcv", hidden_BxCxD, lm_head_DxV,
                               preferred_element_type=jnp.float32)
-    lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
     b, c, v = logits_BxCxV.shape
-    top_NxK, ids_NxK = exact_top_k(logits_BxCxV.reshape(b * c, v), k)
-    top_BxCxK, ids_BxCxK = top_NxK.reshape(b, c, k), ids_NxK.reshape(b, c, k)
-    return ids_BxCxK.astype(jnp.int32), top_BxCxK - lse_BxC[..., None]
+    logprobs_NxK, ids_NxK = top_k_logprobs(logits_BxCxV.reshape(b * c, v), k)
+    return ids_NxK.reshape(b, c, k).astype(jnp.int32), logprobs_NxK.reshape(b, c, k)
 
   ids_NxBxCxK, logprobs_NxBxCxK = jax.lax.map(one_chunk, chunks_NxBxCxD)
   unchunk = lambda x: x.swapaxes(0, 1).reshape(batch, -1, k)[:, :seq_len]

@@ -129,17 +129,39 @@ def test_resume_with_another_k_is_refused(tmp_path, make_data, write):
     write(make_teacher(), data, tmp_path / "cache", k=K - 1)
 
 
+@pytest.mark.parametrize("blocks", [(64,), teacher.TOPK_BLOCKS, (128, 16, 4)])
 @pytest.mark.parametrize("rows,vocab,k", [(37, 12571, 100), (3, 201088, 100), (8, 12345, 7),
                                           (4, 300, 100)])
-def test_exact_top_k_equals_top_k(rows, vocab, k, rng):
-  """The two-stage top-k against jax.lax.top_k: the same values and ids (random logits, no ties),
-  V not a multiple of the block; also with the largest entries crowded into a few blocks."""
+def test_exact_top_k_equals_top_k(rows, vocab, k, blocks, rng):
+  """The blocked top-k against jax.lax.top_k: the same values and ids (random logits, no ties),
+  V not a multiple of the block; also with the largest entries crowded into a few blocks, and
+  with one of them in each of 2k blocks."""
   x = rng.standard_normal((rows, vocab)).astype(np.float32)
   x[0, 1000:1000 + 2 * k] += 10.0  # the top k of row 0 in adjacent columns
+  x[-1, 7:7 + 2 * k * 61:61] += 10.0  # row -1's in 2k columns 61 apart (few per block)
   want = jax.lax.top_k(jnp.asarray(x), k)
-  got = teacher.exact_top_k(jnp.asarray(x), k)
+  got = teacher.exact_top_k(jnp.asarray(x), k, blocks)
   for a, b in zip(got, want):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("rows,vocab,k", [(37, 12571, 100), (5, 49152, 100), (4, 300, 100)])
+def test_top_k_logprobs_equals_log_softmax(rows, vocab, k, rng):
+  """Log-softmax of the top k, shifted by the blocks' maxima, against float64 log_softmax +
+  top_k; logits of a wide range (a real teacher's span ~40)."""
+  x = (8.0 * rng.standard_normal((rows, vocab))).astype(np.float32)
+  x[1, 5] = 90.0  # one row with a dominant entry
+  values, ids = teacher.top_k_logprobs(jnp.asarray(x), k)
+  want = jax.nn.log_softmax(x.astype(np.float64), axis=-1)
+  want_ids = np.argsort(-x, axis=-1, kind="stable")[:, :k]
+  np.testing.assert_array_equal(np.asarray(ids), want_ids)
+  np.testing.assert_allclose(np.asarray(values), np.take_along_axis(want, want_ids, axis=-1),
+                             rtol=1e-6, atol=2e-5)
+
+
+def test_top_k_blocks_must_nest():
+  with pytest.raises(ValueError, match="must divide"):
+    teacher.exact_top_k(jnp.zeros((2, 4096)), 4, (64, 24))
 
 
 def test_one_documents_bound_for_the_whole_pass(tmp_path, monkeypatch, make_data, write):
