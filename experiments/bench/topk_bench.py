@@ -48,7 +48,7 @@ def old_way(z_NxV):
 
 def ways():
   out = [("lax", lax_way), ("lse+blocks(64)", old_way)]
-  for blocks in [(64, 8), (64, 8, 2), (128, 16, 2), (64, 16, 4, 2)]:
+  for blocks in [(64, 8, 2), (128, 16, 2), (128, 8, 2), (256, 16, 2)]:
     name = "kdjax(" + ",".join(map(str, blocks)) + ")"
     out.append((name, lambda z, b=blocks: teacher.top_k_logprobs(z, K, b)))
   return out
