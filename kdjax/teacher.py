@@ -47,13 +47,14 @@ def hidden_projection_DxH(width, hidden_dim, seed=HIDDEN_PROJECTION_SEED):
       hidden_dim)
 
 
-# Columns per block at each level of exact_top_k: V / 128 block maxima (1002 at V = 128256), then
-# the k best blocks' k x 128 columns in blocks of 16, then those blocks' columns in blocks of 2:
-# top_k calls over <= 1024 columns where one over the k x 64 candidates sorted 8192-wide (XLA's
-# top_k for k > 16 sorts whole rows). experiments/bench/topk_bench.py measures the choices: one
-# 4096-position chunk after the lm_head, 4.12 ms with (64,) and logsumexp, 1.64 with these levels
-# (1.83 with (64, 8, 2)) at V = 128256; 4.63 and 1.73 (2.47) at V = 201088.
-TOPK_BLOCKS = (128, 16, 2)
+# Columns per block at each level of exact_top_k: V / 64 block maxima (2004 at V = 128256), then
+# the k best blocks' k x 64 columns in blocks of 8, then those blocks' columns in blocks of 2:
+# top_k calls over <= 2048 columns where one over the k x 64 candidates sorted 8192-wide (XLA's
+# top_k for k > 16 sorts whole rows). experiments/bench/topk_bench.py measures the choices (ms
+# per 4096-position chunk after the lm_head, two calls on the H200, 2026-12-04): at V = 128256
+# 4.12-4.21 with (64,) and logsumexp, 1.77-1.83 with these levels, 1.64-1.88 with (128, 16, 2);
+# at V = 201088 4.63-5.04, 2.41-2.47, 1.73-2.23; at V = 49152 2.78, 0.70, 1.09.
+TOPK_BLOCKS = (64, 8, 2)
 
 
 def _blocked(x_NxV, block):

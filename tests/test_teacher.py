@@ -129,7 +129,7 @@ def test_resume_with_another_k_is_refused(tmp_path, make_data, write):
     write(make_teacher(), data, tmp_path / "cache", k=K - 1)
 
 
-@pytest.mark.parametrize("blocks", [(64,), teacher.TOPK_BLOCKS, (64, 8, 2), (128, 16, 4)])
+@pytest.mark.parametrize("blocks", [(64,), teacher.TOPK_BLOCKS, (128, 16, 2), (128, 16, 4)])
 @pytest.mark.parametrize("rows,vocab,k", [(37, 12571, 100), (3, 201088, 100), (8, 12345, 7),
                                           (4, 300, 100)])
 def test_exact_top_k_equals_top_k(rows, vocab, k, blocks, rng):

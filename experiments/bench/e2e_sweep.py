@@ -24,6 +24,12 @@ SWEEP = {
                   f"student.remat=offload {ONE_ROW}",
     "8k-full": "student --config configs/8k.py --docs 4 --memory --set "
                f"student.remat=full {ONE_ROW}",
+    # Within 48 GiB another way: AdamW's moments (24 GiB at 3.2B parameters) in pinned host
+    # memory, so a richer remat policy fits beside the step's activations.
+    "8k-48g-dots_attention": "student --config configs/8k.py --docs 4 --memory --set "
+                             f"student.remat=dots_attention --set opt.state_memory=host {ONE_ROW}",
+    "8k-48g-dots": "student --config configs/8k.py --docs 4 --memory --set "
+                   f"student.remat=dots --set opt.state_memory=host {ONE_ROW}",
     # Two rows per micro-batch (16 of them per step), the same 32 x 8K tokens.
     "8k-none-b2": "student --config configs/8k.py --docs 4 --memory --set student.remat=none "
                   "--set opt.batch_size=2 --set opt.accum_steps=16",
