@@ -1,7 +1,8 @@
 """Attention alone, forward and backward, on the student's heads: where does its time go?
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python experiments/bench/attention_bench.py \
-        [--seq-len 8192 --rows 2 --docs 4] [--results experiments/results/attention.jsonl]
+        [--seq-len 8192 --rows 2 --docs 4] [--bound M] \
+        [--results experiments/results/attention.jsonl]
 
 One process, one shape (Llama-3.2-3B's heads: H 24, G 8, E 128, bf16), several ways of computing
 the same causal attention, each timed forward alone and forward + backward (median of 5 after
@@ -106,6 +107,9 @@ def main():
   p.add_argument("--seq-len", type=int, default=8192)
   p.add_argument("--rows", type=int, default=2)
   p.add_argument("--docs", type=int, default=4)
+  p.add_argument("--bound", type=int, default=0,
+                 help="the packed ways' documents bound (0: the batch's own, as a per-batch "
+                      "bound; a run takes its whole cache's, e.g. 64 where one row holds 33)")
   p.add_argument("--results", default="")
   args = p.parse_args()
   b, t, m = args.rows, args.seq_len, args.docs
@@ -116,7 +120,9 @@ def main():
   seg_equal = np.repeat(np.arange(1, m + 1, dtype=np.int32), t // m)[None].repeat(b, 0)
   one_doc = np.ones((b * m, t // m), np.int32)
   whole = np.ones((b, t), np.int32)
-  bound = attn.documents_bound(seg_dirichlet)
+  bound = args.bound or attn.documents_bound(seg_dirichlet)
+  if bound < m:
+    sys.exit(f"--bound {bound} is below --docs {m}: documents past it would be dropped")
 
   def packed(segment_ids):
     s = jnp.asarray(segment_ids)
@@ -137,7 +143,7 @@ def main():
   device = str(jax.devices()[0].device_kind)
   for i, (name, f, shape, n) in enumerate(ways):
     row = measure(name, f, shape, n, i)
-    row.update(docs=m, heads=[H, G, E], commit=commit, device=device,
+    row.update(docs=m, bound=bound, heads=[H, G, E], commit=commit, device=device,
                date=e2e_bench.today(), mean_context=n / (b * t))
     print(json.dumps(row), flush=True)
     if args.results:
