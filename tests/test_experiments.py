@@ -11,6 +11,7 @@ import py_compile
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,6 +97,21 @@ def test_cache_read_bench_tiny(tmp_path):
               "--batches", "2"])
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "tokens/s" in proc.stdout, proc.stdout
+
+
+def test_documents_per_row_windows():
+  """Each document in the smallest window of the ladder that holds it; the rest in the row."""
+  sys.path.insert(0, os.path.join(ROOT, "experiments", "studies"))
+  import documents_per_row
+  t = 1024
+  row = np.zeros(t, np.int32)
+  row[:100], row[100:200], row[200:300] = 1, 2, 3  # in the first 256-window, 2 in its second half
+  row[300:700] = 4  # 400 tokens from 300: no 256- or 512-window; the offset 512-window at 256
+  row[700:1000] = 5  # in the second 512-window
+  other = np.zeros(t, np.int32)
+  other[500:800] = 1  # crosses 512 and 768: no window of <= T / 2 holds it, the whole row does
+  plan = documents_per_row.windows_plan(np.stack([row, other]))
+  assert plan == {(256, 0): 2, (256, 128): 1, (512, 0): 1, (512, 256): 1, (1024, 0): 1}, plan
 
 
 @pytest.mark.slow  # about 50 s: five kdjax.main processes
