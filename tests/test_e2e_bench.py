@@ -9,18 +9,20 @@ import pytest
 pytestmark = pytest.mark.slow  # whole runs in subprocesses: not in the fast subset
 
 
-def run(tmp_path, *args, config="configs/8k.py:smoke", devices=1):
+def run(tmp_path, *args, config="configs/8k.py:smoke", devices=1, docs="3"):
   out = tmp_path / "e2e.jsonl"
   env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
   subprocess.run([sys.executable, "experiments/bench/e2e_bench.py", *args, "--config",
-                  config, "--seq-len", "128", "--docs", "3", "--json", str(out),
+                  config, "--seq-len", "128", "--docs", docs, "--json", str(out),
                   "--dir", str(tmp_path / "work")], check=True, env=env)
   return json.loads(out.read_text().splitlines()[-1])
 
 
 def test_student_and_teacher_modes(tmp_path):
-  student = run(tmp_path, "student", "--accum", "2", "--steps", "2", "--memory")
+  """The student on rows packed as real text packs (stdlib files: padding, a varying number of
+  documents), the teacher on rows of 3 documents."""
+  student = run(tmp_path, "student", "--accum", "2", "--steps", "2", "--memory", docs="stdlib")
   assert student["kind"] == "student" and student["accum_steps"] == 2 and student["packed"]
   assert student["tokens_per_s"] > 0 and student["step_s"] > 0
   teacher = run(tmp_path, "teacher", "--rows", "2")

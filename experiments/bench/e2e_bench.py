@@ -13,7 +13,8 @@ change).
 student: the config's student (configs/8k.py, configs/32k.py: Llama-3.2-3B shapes, float32
 parameters and AdamW, bf16 compute, the fused loss, K = 100) with RANDOM weights, trained on a
 synthetic compact cache written to local disk first: random tokens packed into `docs` documents
-of unequal length per row, random top-k entries. Steps run through `train.Trainer` (its loader's
+of unequal length per row (`--docs stdlib`: rows as real text packs, this Python's standard
+library files as the documents, stdlib_rows), random top-k entries. Steps run through `train.Trainer` (its loader's
 `next_batch`, then `step`), as `train.fit` runs them (fit adds checkpoints and reports). The first
 step compiles; the median of the rest is reported.
 
@@ -35,6 +36,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import glob
 import importlib.util
 import json
 import logging
@@ -42,6 +44,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 
@@ -53,14 +56,40 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # e2e_sweep; kdjax
 import e2e_sweep  # noqa: E402
 from kdjax import build, cache, config, parallel, reporting, teacher, train  # noqa: E402
+from kdjax.data import packing  # noqa: E402
 from kdjax.models import attention, llama  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "experiments", "results", "e2e.jsonl")
 ALONE_BATCHES = 8  # the teacher step alone: batches timed
+STDLIB_BYTES_PER_TOKEN = 3.5
 
 
-def packed_segments(rng, rows: int, seq_len: int, docs: int):
-  """segment_ids, positions [rows, T]: `docs` documents of unequal length per row, no padding."""
+def docs_arg(value: str):
+  return value if value == "stdlib" else int(value)
+
+
+def stdlib_rows(seq_len: int, rng=None):
+  """segment_ids, positions [N, T] of this Python's standard library .py files as documents
+  (~STDLIB_BYTES_PER_TOKEN bytes a token: an estimate, no tokenizer), packed as the data stage
+  packs (kdjax.data.packing, an eos after each; padding where a document does not fit), in
+  file order or, with rng, in a random order: rows whose documents run as real text's do."""
+  files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"),
+                           recursive=True))
+  if rng is not None:
+    files = [files[i] for i in rng.permutation(len(files))]
+  docs = (np.zeros(max(1, int(os.path.getsize(f) / STDLIB_BYTES_PER_TOKEN)), np.int32)
+          for f in files)
+  rows = list(packing.pack(docs, seq_len, bos_id=None, eos_id=1))
+  return (np.stack([r["segment_ids"] for r in rows]), np.stack([r["positions"] for r in rows]))
+
+
+def packed_segments(rng, rows: int, seq_len: int, docs):
+  """segment_ids, positions [rows, T]: `docs` documents of unequal length per row, no padding;
+  docs "stdlib": the rows of stdlib_rows from a random start (and order), padding included."""
+  if docs == "stdlib":
+    segment_ids, positions = stdlib_rows(seq_len, rng)
+    at = (int(rng.integers(len(segment_ids))) + np.arange(rows)) % len(segment_ids)
+    return segment_ids[at], positions[at]
   segment_ids = np.zeros((rows, seq_len), np.int32)
   positions = np.zeros((rows, seq_len), np.int32)
   for r in range(rows):
@@ -84,7 +113,7 @@ def synthetic_cache(path, rng, *, rows, seq_len, docs, vocab, k):
     store.write(r, {
         "tokens": rng.integers(0, vocab, (1, seq_len), dtype=np.int32),
         "segment_ids": segment_ids[r:r + 1], "positions": positions[r:r + 1],
-        "loss_mask": np.ones((1, seq_len), bool),
+        "loss_mask": segment_ids[r:r + 1] > 0,
         "topk_ids": rng.integers(0, vocab, (1, seq_len, k), dtype=np.int32),
         "topk_logprobs": np.ascontiguousarray(logp)})
   return cache.open(path)
@@ -205,7 +234,7 @@ def run_student(args) -> dict:
   per_token = llama.flops_per_token(model_cfg, float(np.mean(context)))
   tflops = per_token * tokens / step_s / 1e12
   return {"kind": "student", "seq_len": seq_len, "accum_steps": accum,
-          "batch_size": c.opt.batch_size, "docs_per_row": args.docs, "packed": args.docs > 1,
+          "batch_size": c.opt.batch_size, "docs_per_row": args.docs, "packed": args.docs != 1,
           "devices": 1 if trainer.mesh is None else trainer.mesh.size,
           "step_s": step_s, "tokens_per_s": tokens / step_s, "model_tflops": tflops,
           "mfu": tflops * 1e12 / reporting.peak_flops() if reporting.peak_flops() else None,
@@ -258,7 +287,7 @@ def run_teacher(args) -> dict:
   segment_ids, positions = packed_segments(rng, args.rows, seq_len, args.docs)
   data.write(0, {"tokens": rng.integers(0, vocab, (args.rows, seq_len), dtype=np.int32),
                  "segment_ids": segment_ids, "positions": positions,
-                 "loss_mask": np.ones((args.rows, seq_len), bool)})
+                 "loss_mask": segment_ids > 0})
   data = cache.open(os.path.join(directory, "data"))
   batch_size, chunk = c.cache.batch_size, c.cache.chunk_size
 
@@ -303,7 +332,7 @@ def run_teacher(args) -> dict:
   seconds = time.perf_counter() - t0
   return {"kind": "teacher", "seq_len": seq_len, "batch_size": batch_size,
           "devices": 1 if mesh is None else mesh.size,
-          "docs_per_row": args.docs, "packed": args.docs > 1, "rows": args.rows,
+          "docs_per_row": args.docs, "packed": args.docs != 1, "rows": args.rows,
           "tokens_per_s": args.rows * seq_len / seconds, "device_tokens_per_s": device_tok_s,
           "plan_gib": plan,
           "model_tflops": device_tok_s * llama.flops_per_token(model_cfg, alone_context)
@@ -401,7 +430,8 @@ def main():
     p.add_argument("--config", default="configs/8k.py")
     p.add_argument("--seq-len", type=int, default=0, help="0: the config's")
     p.add_argument("--accum", type=int, default=0, help="0: the config's accum_steps")
-    p.add_argument("--docs", type=int, default=4, help="documents per row")
+    p.add_argument("--docs", type=docs_arg, default=4,
+                   help="documents per row, or 'stdlib': rows of this Python's stdlib files")
     p.add_argument("--rows", type=int, default=16, help="teacher: rows written")
     p.add_argument("--steps", type=int, default=3,
                    help="student: steps, the first compiles; 0: XLA's memory plan only")

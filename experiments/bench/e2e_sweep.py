@@ -36,6 +36,11 @@ SWEEP = {
     "8k-names-b2": "student --config configs/8k.py --docs 4 --memory --set student.remat=names "
                    "--set opt.batch_size=2 --set opt.accum_steps=16",
     "8k-accum1": "student --config configs/8k.py --docs 4 --accum 1 --steps 6",
+    # Rows as real text packs: this Python's stdlib files as documents (1 per 8K row at the
+    # median, 33 at most; 4 and 48 at 32K: experiments/studies/documents_per_row.py), so the run's
+    # documents bound is the fullest row's where the entries above hold 4 or 8 in every row.
+    "8k-stdlib": "student --config configs/8k.py --docs stdlib --memory",
+    "32k-stdlib": "student --config configs/32k.py --docs stdlib --steps 2",
     "32k": "student --config configs/32k.py --docs 8 --steps 2",
     "32k-dots": "student --config configs/32k.py --docs 8 --steps 2 --memory --set student.remat=dots "
                 "--mem-fraction 0.92",

@@ -1,6 +1,6 @@
 """How many documents do packed rows hold, and what does that cost cuDNN's packed attention?
 
-    JAX_PLATFORMS=cpu python experiments/studies/documents_per_row.py --store runs/8k/data/train.zarr
+    JAX_PLATFORMS=cpu python experiments/studies/documents_per_row.py --store DATA_STORE
     JAX_PLATFORMS=cpu python experiments/studies/documents_per_row.py --stdlib --seq-len 8192 32768
 
 A run gives every step one documents bound M, its whole cache's (kdjax.models.attention.
@@ -13,30 +13,22 @@ calls a bound per micro-batch would take (mean), and the documents per window of
 windows (W = 256 .. T/2 at offsets 0 and W/2, each document in the smallest that holds it; the
 whole row for the rest): their sum against M is the workspace such windows would need.
 
---stdlib: this Python's standard library .py files as documents, ~3.5 bytes a token (an estimate:
-no tokenizer), packed as kdjax's data stage packs (kdjax.data.packing, an eos after each).
+--stdlib: this Python's standard library .py files as documents, in file order, ~3.5 bytes a
+token (an estimate: no tokenizer), packed as kdjax's data stage packs (e2e_bench.stdlib_rows, the
+rows `e2e_bench.py --docs stdlib` trains on, there in a random order).
 """
 import argparse
-import glob
 import os
 import sys
-import sysconfig
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "experiments", "bench"))
+from e2e_bench import stdlib_rows  # noqa: E402
 from kdjax import cache  # noqa: E402
-from kdjax.data.packing import pack  # noqa: E402
 from kdjax.models import attention  # noqa: E402
-
-BYTES_PER_TOKEN = 3.5
-
-
-def stdlib_rows(seq_len: int) -> np.ndarray:
-  files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"),
-                           recursive=True))
-  docs = (np.zeros(max(1, int(os.path.getsize(f) / BYTES_PER_TOKEN)), np.int32) for f in files)
-  return np.stack([r["segment_ids"] for r in pack(docs, seq_len, bos_id=None, eos_id=1)])
 
 
 def windows_plan(segment_ids_NxT: np.ndarray) -> dict:
@@ -99,7 +91,7 @@ def main():
     lengths = args.seq_len
   for t in lengths:
     segment_ids = (store.read_array("segment_ids", slice(0, store.num_seqs)) if args.store
-                   else stdlib_rows(t))
+                   else stdlib_rows(t)[0])
     report(np.asarray(segment_ids), args.batch_rows or (2 if t <= 8192 else 1))
 
 
