@@ -25,6 +25,7 @@ DTYPES = tuple(llama.DTYPES)
 # The cached objectives (kdjax.loss.objectives) and "online": the teacher in the step.
 OBJECTIVES = objectives.OBJECTIVES + ("online",)
 STATE_MEMORIES = ("device", "host")  # where AdamW's moments live between updates
+DOCUMENTS_BOUNDS = ("store", "micro_batch")  # whose documents bound a grad_step compiles for
 
 
 def model_group(**overrides) -> ml_collections.ConfigDict:
@@ -58,6 +59,12 @@ def opt_group(**overrides) -> ml_collections.ConfigDict:
   g.accum_dtype = "float32"
   g.state_dtype = "float32"
   g.state_memory = "device"
+  # The documents bound each micro-batch's attention runs with (kdjax.models.attention): "store",
+  # the fullest row's of the whole cache (one compiled program per run), or "micro_batch", its
+  # own (at most log2(T) + 1 programs, compiled as they first occur; cuDNN's packed backward
+  # costs calls x documents x T, so rows of few documents pay less where some rows hold many:
+  # experiments/studies/documents_per_row.py).
+  g.documents_bound = "store"
   # Device memory the step may plan for, GiB: the model group's remat "auto" picks the fastest
   # policy that fits it (kdjax/remat_auto.py). 0: what JAX may allocate on the device.
   g.memory_gib = 0.0
@@ -222,6 +229,8 @@ def _check_opt(name: str, g):
     _require(g[field] in DTYPES, f"{name}.{field} must be one of {DTYPES}, got {g[field]!r}")
   _require(g.state_memory in STATE_MEMORIES,
            f"{name}.state_memory must be one of {STATE_MEMORIES}, got {g.state_memory!r}")
+  _require(g.documents_bound in DOCUMENTS_BOUNDS,
+           f"{name}.documents_bound must be one of {DOCUMENTS_BOUNDS}, got {g.documents_bound!r}")
 
 
 def _check_init(c):

@@ -193,15 +193,18 @@ def train_step(state, grads_sum, batch_AxB: dict, *, graphdef, tx, loss: LossSet
   """One optimizer step over A micro-batches: A grad_steps, then apply_step. targets(micro_BxT,
   max_documents) -> the micro-batch with the loss's targets, run just before its grad_step:
   `in_batch` (a cache's, hard labels'), or the teacher's outputs computed beside the step
-  (objective "online": kdjax.teacher.OnlineTargets). mesh: see loss_fn.
+  (objective "online": kdjax.teacher.OnlineTargets). max_documents: one bound for every
+  micro-batch, or a tuple of one per micro-batch (opt.documents_bound "micro_batch"). mesh: see
+  loss_fn.
 
   Returns (state, metrics, grads_sum) with every array still in flight (nothing waits).
   """
   metrics_A = []
   for a in range(next(iter(batch_AxB.values())).shape[0]):
-    micro_BxT = targets({k: v[a] for k, v in batch_AxB.items()}, max_documents)
+    bound = max_documents[a] if isinstance(max_documents, tuple) else max_documents
+    micro_BxT = targets({k: v[a] for k, v in batch_AxB.items()}, bound)
     grads_sum, metrics = grad_step(trained(state), grads_sum, micro_BxT, graphdef=graphdef,
-                                   loss=loss, max_documents=max_documents, mesh=mesh)
+                                   loss=loss, max_documents=bound, mesh=mesh)
     metrics_A.append(metrics)
   return apply_step(state, grads_sum, metrics_A, tx=tx, state_memory=state_memory)
 
@@ -293,11 +296,14 @@ class Trainer:
     # The store's bound holds its batches; a batch from elsewhere raises it (and compiles again).
     self.max_documents = max(self.max_documents,
                              attention.documents_bound(batch_AxB["segment_ids"]))
+    bound = self.max_documents
+    if self.opt.documents_bound == "micro_batch":  # each its own (host segment ids [A, B, T])
+      bound = tuple(attention.documents_bound(s_BxT) for s_BxT in batch_AxB["segment_ids"])
     if self.mesh is not None:
       batch_AxB = parallel.place_batch(self.mesh, batch_AxB)
     self.state, metrics, self.grads_sum = train_step(
         self.state, self.grads_sum, batch_AxB, graphdef=self.graphdef, tx=self.tx,
-        loss=self.loss, state_memory=self.opt.state_memory, max_documents=self.max_documents,
+        loss=self.loss, state_memory=self.opt.state_memory, max_documents=bound,
         mesh=self.mesh, targets=self.targets)
     self.loader_state = self.loader.state()
     return metrics

@@ -15,7 +15,7 @@ from kdjax.models import llama
 from kdjax.plots import read_metrics
 from kdjax.teacher import OnlineTargets
 from tests.fixtures.train_run import (K, S, T, V, compiled, fit, make_cache, opt_group,
-                                      tiny_model_cfg)
+                                      params_of, tiny_model_cfg)
 
 
 def test_distillation_loss_falls_and_logs(tmp_path, rng):
@@ -226,6 +226,32 @@ def test_a_run_compiles_its_step_once(tmp_path, rng):
     model = fit(tmp_path, store, cfg=cfg, opt=opt_group(steps=3, memory_gib=1000.0))
   assert model.cfg.remat == remat.AUTO_ORDER[0]
   assert names.count("jit(grad_step)") == 1, names
+
+
+def test_documents_bound_per_micro_batch(tmp_path, rng, monkeypatch):
+  """opt.documents_bound "micro_batch": each micro-batch's attention runs with its own bound (1
+  for two rows of one document, 4 where a row holds three), where "store" gives every one the
+  cache's 4; the same parameters (the bound sizes cuDNN's calls; on CPU the einsum attention
+  ignores it)."""
+  segment_ids = np.ones((S, T), np.int32)
+  segment_ids[S // 2:] = [1] * 6 + [2] * 5 + [3] * 5
+  store = make_cache(tmp_path / "c.zarr", rng, segment_ids=segment_ids)
+  real = train.grad_step
+  seen = []
+
+  def spy(*args, **kwargs):
+    seen[-1].add(kwargs["max_documents"])
+    return real(*args, **kwargs)
+  spy.lower = real.lower
+  monkeypatch.setattr(train, "grad_step", spy)
+  params = []
+  for bound in ("store", "micro_batch"):
+    seen.append(set())
+    params.append(params_of(fit(tmp_path, store, name=bound,
+                                opt=opt_group(documents_bound=bound))))
+  assert seen == [{4}, {1, 4}], seen
+  for a, b in zip(*params):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_online_objective_runs_the_teacher_beside_the_step(tmp_path, rng):
