@@ -14,9 +14,9 @@ student: the config's student (configs/8k.py, configs/32k.py: Llama-3.2-3B shape
 parameters and AdamW, bf16 compute, the fused loss, K = 100) with RANDOM weights, trained on a
 synthetic compact cache written to local disk first: random tokens packed into `docs` documents
 of unequal length per row (`--docs stdlib`: rows as real text packs, this Python's standard
-library files as the documents, stdlib_rows), random top-k entries. Steps run through `train.Trainer` (its loader's
-`next_batch`, then `step`), as `train.fit` runs them (fit adds checkpoints and reports). The first
-step compiles; the median of the rest is reported.
+library files as the documents, stdlib_rows), random top-k entries. Steps run through
+`train.Trainer` (its loader's `next_batch`, then `step`), as `train.fit` runs them (fit adds
+checkpoints and reports). The first step compiles; the median of the rest is reported.
 
 teacher: a RANDOM-weight Llama-3.1-8B-shaped teacher (bf16; the config's teacher: gpt-oss's with
 configs/gpt_oss.py, its MXFP4 experts random packed codes) writes a compact top-100 cache of
