@@ -28,6 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 IMPLS = ("auto", "einsum", "cudnn")
 
@@ -52,10 +53,17 @@ def store_documents_bound(store, todo=None, positions_per_read=1 << 24) -> int:
   store: anything with seq_len, num_seqs and read_array(name, rows)."""
   most = 1
   rows_per_read = max(1, positions_per_read // store.seq_len)
-  for start, stop in [(0, store.num_seqs)] if todo is None else todo:
-    for lo in range(start, stop, rows_per_read):
-      segment_ids = store.read_array("segment_ids", slice(lo, min(stop, lo + rows_per_read)))
-      most = max(most, int(np.max(segment_ids, initial=1)))
+  spans = [(0, store.num_seqs)] if todo is None else todo
+  rows = sum(stop - start for start, stop in spans)
+  # a progress bar where the reads take seconds (over 4 of them: 64M positions and more)
+  with tqdm(total=rows * store.seq_len, unit="pos", unit_scale=True, desc="documents per row",
+            disable=rows <= 4 * rows_per_read) as bar:
+    for start, stop in spans:
+      for lo in range(start, stop, rows_per_read):
+        hi = min(stop, lo + rows_per_read)
+        segment_ids = store.read_array("segment_ids", slice(lo, hi))
+        most = max(most, int(np.max(segment_ids, initial=1)))
+        bar.update((hi - lo) * store.seq_len)
   return documents_bound(np.array([most]))
 
 
