@@ -293,12 +293,12 @@ class Trainer:
 
   def step(self, batch_AxB: dict) -> dict:
     """One optimizer step on a batch of `next_batch`; returns its metrics, still in flight."""
-    # The store's bound holds its batches; a batch from elsewhere raises it (and compiles again).
-    self.max_documents = max(self.max_documents,
-                             attention.documents_bound(batch_AxB["segment_ids"]))
-    bound = self.max_documents
     if self.opt.documents_bound == "micro_batch":  # each its own (host segment ids [A, B, T])
       bound = tuple(attention.documents_bound(s_BxT) for s_BxT in batch_AxB["segment_ids"])
+    else:  # the store's holds its batches; a batch from elsewhere raises it (and compiles again)
+      self.max_documents = max(self.max_documents,
+                               attention.documents_bound(batch_AxB["segment_ids"]))
+      bound = self.max_documents
     if self.mesh is not None:
       batch_AxB = parallel.place_batch(self.mesh, batch_AxB)
     self.state, metrics, self.grads_sum = train_step(
