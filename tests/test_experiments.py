@@ -23,6 +23,7 @@ SCRIPTS = sorted(os.path.splitext(os.path.relpath(path, os.path.join(ROOT, "expe
 IMPORT_ONLY = {
     "studies/demo_ab": "the demo studies' shared module: no entry point",
     "bench/e2e_sweep": "e2e_bench.py's named configurations: no entry point",
+    "bench/synthetic_rows": "the benchmarks' synthetic rows and cache: no entry point",
     "bench/loss_bench_report": "loss_bench.py's table and plot: no entry point",
     "bench/mgpu_probe": "positional M K V, no flags: --help would run the full-size probe",
 }

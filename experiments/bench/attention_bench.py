@@ -20,7 +20,6 @@ TFLOP/s count the causal, in-document FLOPs each layout needs (4 E H per query-k
 2.5x that backward); row_causal's count is the whole row's.
 """
 import argparse
-import json
 import math
 import os
 import statistics
@@ -35,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e_bench  # noqa: E402
-from e2e_bench import packed_segments  # noqa: E402
+from synthetic_rows import packed_segments  # noqa: E402
 from kdjax.models import attention as attn  # noqa: E402
 
 H, G, E = 24, 8, 128
@@ -145,10 +144,7 @@ def main():
     row = measure(name, f, shape, n, i)
     row.update(docs=m, bound=bound, heads=[H, G, E], commit=commit, device=device,
                date=e2e_bench.today(), mean_context=n / (b * t))
-    print(json.dumps(row), flush=True)
-    if args.results:
-      with open(args.results, "a") as fh:
-        fh.write(json.dumps(row) + "\n")
+    e2e_bench.record(row, args.results)
 
 
 if __name__ == "__main__":

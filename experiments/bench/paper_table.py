@@ -40,6 +40,7 @@ from flax import nnx
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # e2e_bench; kdjax
 import e2e_bench  # noqa: E402
+import synthetic_rows  # noqa: E402
 from kdjax import build, train  # noqa: E402
 from kdjax.models import attention, llama  # noqa: E402
 
@@ -129,7 +130,7 @@ def run(method: str, args) -> dict:
   rng = np.random.default_rng(0)
   directory = os.path.join(args.dir, "paper_table")
   shutil.rmtree(directory, ignore_errors=True)
-  store = e2e_bench.synthetic_cache(directory, rng, rows=4, seq_len=seq_len, docs=4,
+  store = synthetic_rows.synthetic_cache(directory, rng, rows=4, seq_len=seq_len, docs=4,
                                     vocab=student_cfg.vocab_size, k=c.cache.k)
   batches = [train.to_step_batch(store.read(np.array([r])), 1, hard_labels=False)
              for r in range(4)]

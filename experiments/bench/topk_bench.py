@@ -18,7 +18,6 @@ the top k = 100 log-softmax values and ids. Each way is timed with the matmul (m
 Every way is checked against lax's values and ids before it is timed.
 """
 import argparse
-import json
 import os
 import sys
 
@@ -83,10 +82,7 @@ def main():
                  chunk_ms=seconds * 1e3, matmul_ms=matmul_s * 1e3,
                  topk_ms=(seconds - matmul_s) * 1e3, same_ids=same_ids, max_value_err=err,
                  commit=commit, device=device, date=e2e_bench.today())
-      print(json.dumps(row), flush=True)
-      if args.results:
-        with open(args.results, "a") as fh:
-          fh.write(json.dumps(row) + "\n")
+      e2e_bench.record(row, args.results)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ windows (W = 256 .. T/2 at offsets 0 and W/2, each document in the smallest that
 whole row for the rest): their sum against M is the workspace such windows would need.
 
 --stdlib: this Python's standard library .py files as documents, in file order, ~3.5 bytes a
-token (an estimate: no tokenizer), packed as kdjax's data stage packs (e2e_bench.stdlib_rows, the
+token (an estimate: no tokenizer), packed as kdjax's data stage packs (synthetic_rows.stdlib_rows, the
 rows `e2e_bench.py --docs stdlib` trains on, there in a random order).
 """
 import argparse
@@ -26,7 +26,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments", "bench"))
-from e2e_bench import stdlib_rows  # noqa: E402
+from synthetic_rows import stdlib_rows  # noqa: E402
 from kdjax import cache  # noqa: E402
 from kdjax.models import attention  # noqa: E402
 
