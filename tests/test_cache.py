@@ -70,16 +70,21 @@ def test_packed_round_trip_keeps_ids_exact_and_each_probability_within_its_bound
 
 
 def test_stores_of_the_earlier_layouts_still_open_and_read_the_same(make_rows, take):
-  """float32 and compact stores written by the code before the packed layout (main at 9c93f6d,
+  """float32 and compact stores written by the code before the packed layout (main at 9c93f6d),
+  a packed one by the code before the dictionary layout (main at 5d326b3;
   tests/fixtures/old_caches/make.py) open and read the rows they were written with."""
   rows = make_rows(np.random.default_rng(0), 10)
-  for name in ("float32", "compact"):
+  for name in ("float32", "compact", "packed"):
     store = cache.open(os.path.join(OLD_CACHES, f"{name}.zarr"), vocab_size=V, k=K, seq_len=T)
-    assert store.layout == name and "prob_offset" not in store.attrs
+    assert store.layout == name and ("prob_offset" in store.attrs) == (name == "packed")
     got = store.read(slice(0, 10))
     for key, want in rows.items():
       if name == "compact" and key == "topk_logprobs":
         assert np.abs(got[key] - want).max() <= layout.LOGPROB_SCALE / 2 + 1e-5
+      elif name == "packed" and key == "topk_logprobs":
+        p, back = np.exp(want.astype(np.float64)), np.exp(got[key])
+        s, p0 = layout.PACKED_SCALE, layout.PACKED_OFFSET
+        assert np.all(np.abs(back - p) <= (p + p0) * np.expm1(0.502 * s) + 1e-7 * p)
       else:
         np.testing.assert_array_equal(got[key], want)
 
