@@ -122,7 +122,7 @@ def base() -> ml_collections.ConfigDict:
   c.cache = ml_collections.ConfigDict()
   c.cache.path = ""  # cache directory; "" = <workdir>/cache
   c.cache.k = 100  # teacher top-k entries kept per position
-  c.cache.layout = "float32"  # "float32" or "compact" (quantised log-probs, small ids)
+  c.cache.layout = "float32"  # or "compact", "packed", "dictionary" (kdjax/cache/layout.py)
   c.cache.batch_size = 8  # sequences per teacher forward pass
   c.cache.chunk_size = 128  # positions per teacher lm_head chunk (bounds [B, C, V] logits)
   # Threads encoding, compressing and writing finished regions while the teacher computes the

@@ -212,7 +212,7 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
     vocab_size: tokenizer vocabulary; the model's lm_head must have at least this many columns.
       k must lie in 1..vocab_size (checked before anything is created).
     attrs: cache identity (teacher hash, ...); the data store's attrs are added under "data".
-    layout: "float32" or "compact" (see kdjax/cache/layout.py).
+    layout: "float32", "compact", "packed" or "dictionary" (see kdjax/cache/layout.py).
     rank, world: this process writes the regions r with r % world == rank.
     region_rows: rows per region; default the data store's.
     hidden_dim: 0, or also cache the final hidden states: H = the teacher's width D whole, else a

@@ -69,6 +69,67 @@ def test_packed_round_trip_keeps_ids_exact_and_each_probability_within_its_bound
   assert layout.array_dtypes(k, 2**16, "packed")["topk_ids"] == "uint16"
 
 
+def _dictionary_reference(ids_SxTxK, vocab, size):
+  """The dictionary layout's codes and orders, one id at a time (layout.py's docstring)."""
+  codes, orders = np.empty_like(ids_SxTxK), []
+  for row, ids in enumerate(ids_SxTxK):
+    values, counts = np.unique(ids, return_counts=True)
+    seen = [int(v) for _, v in sorted(zip(-counts, values))]  # by count, ties: smaller id first
+    order = (seen + [v for v in range(vocab) if v not in set(seen)])[:size]
+    table = order + sorted(set(range(vocab)) - set(order))
+    place = {v: i for i, v in enumerate(table)}
+    codes[row] = np.vectorize(place.get)(ids)
+    orders.append(order)
+  return codes, np.array(orders)
+
+
+@pytest.mark.parametrize("vocab, size", [(50, 8), (50, 50), (300, 40), (70000, 3)])
+def test_dictionary_codes_match_the_reference_and_decode_exactly(rng, vocab, size):
+  """Rows of fewer, as many and more distinct ids than the order holds (codes past it escape),
+  ties of counts, vocabularies above 2**16."""
+  ids = rng.zipf(1.3, (3, 7, 5)) % vocab
+  ids[1] = rng.integers(0, vocab, (7, 5))
+  dtype = np.uint16 if vocab <= 2**16 else np.uint32
+  codes, orders = layout.dictionary_encode(ids.astype(dtype), vocab, size)
+  want_codes, want_orders = _dictionary_reference(ids, vocab, size)
+  np.testing.assert_array_equal(codes, want_codes)
+  np.testing.assert_array_equal(orders, want_orders)
+  assert codes.dtype == orders.dtype == dtype
+  np.testing.assert_array_equal(layout.dictionary_decode(codes, orders, vocab), ids)
+
+
+def test_dictionary_store_round_trip_is_exact_at_any_k(tmp_path, rng, monkeypatch):
+  """A dictionary store: ids exact (escapes past a short order, ids up to gpt-oss's vocabulary
+  and past 2**17), log-probs exactly packed's, a smaller k reads the first entries, and a damaged
+  order is refused at read."""
+  monkeypatch.setattr(layout, "MIN_ORDER", 16)
+  vocab, n, k = 201088, 6, 12
+  ids = rng.zipf(1.2, (n, T, k)) % vocab
+  ids[0, 0, [0, 1, -1]] = [vocab - 1, 2**17, 2**16]
+  logprobs = -np.sort(rng.exponential(2.0, (n, T, k)), -1).astype(np.float32)
+  rows = {"tokens": ids[..., 0].astype(np.int32), "segment_ids": np.ones((n, T), np.int32),
+          "positions": np.tile(np.arange(T, dtype=np.int32), (n, 1)),
+          "loss_mask": np.ones((n, T), bool), "topk_ids": ids.astype(np.int32),
+          "topk_logprobs": logprobs}
+  for name in ("packed", "dictionary"):
+    cache.create(tmp_path / name, num_seqs=n, seq_len=T, k=k, vocab_size=vocab, attrs={},
+                 layout=name, region_rows=4).write(0, rows)
+  store = cache.open(tmp_path / "dictionary")
+  assert store.attrs["order_size"] == 16 and store.dtypes["topk_order"] == "uint32"
+  got, packed = store.read([5, 0, 0]), cache.open(tmp_path / "packed").read([5, 0, 0])
+  np.testing.assert_array_equal(got["topk_ids"], ids[[5, 0, 0]])
+  np.testing.assert_array_equal(got["topk_logprobs"], packed["topk_logprobs"])
+  first = cache.open(tmp_path / "dictionary", k=3).read(slice(0, n))
+  np.testing.assert_array_equal(first["topk_ids"], ids[..., :3])
+  path = str(tmp_path / "dictionary" / "topk_order")
+  order = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}).result()
+  twice = order[2].read().result()
+  twice[1] = twice[0]
+  order[2].write(twice).result()
+  with pytest.raises(cache.CacheError, match="repeats an id.*row 2"):
+    store.read(slice(0, n))
+
+
 def test_stores_of_the_earlier_layouts_still_open_and_read_the_same(make_rows, take):
   """float32 and compact stores written by the code before the packed layout (main at 9c93f6d),
   a packed one by the code before the dictionary layout (main at 5d326b3;
@@ -139,7 +200,7 @@ def test_open_checks_what_the_caller_expects(tmp_path, expect, match, make_rows,
     cache.open(tmp_path / "s", **expect)
 
 
-@pytest.mark.parametrize("layout_name", ["float32", "compact", "packed"])
+@pytest.mark.parametrize("layout_name", ["float32", "compact", "packed", "dictionary"])
 def test_a_larger_cache_reads_as_its_top_k(tmp_path, layout_name, make_rows, new_store):
   rows = make_rows(np.random.default_rng(14), 10)
   if layout_name == "float32":  # entries written in another order are still read as the top k
@@ -249,27 +310,32 @@ def test_overwriting_a_finished_region_unrecords_it_until_written(tmp_path, monk
   np.testing.assert_array_equal(got[[4, 7]], rows["topk_ids"][[4, 7]])
 
 
-def test_the_notebook_decodes_a_packed_cache(tmp_path, make_rows, new_store, monkeypatch):
-  """notebooks/explore_cache.ipynb reads a packed cache with plain tensorstore / zarr-python and
-  its own decoding: every top-1 is p = 0.5 here, and it reports that."""
+@pytest.mark.parametrize("layout_name", ["packed", "dictionary"])
+def test_the_notebook_decodes_a_cache(tmp_path, make_rows, new_store, monkeypatch, layout_name):
+  """notebooks/explore_cache.ipynb reads a packed or dictionary cache with plain tensorstore /
+  zarr-python and its own decoding: every top-1 is p = 0.5 here, and it reports that; its ids are
+  the rows'."""
   nbformat = pytest.importorskip("nbformat")
   nbclient = pytest.importorskip("nbclient")
   rows = make_rows(np.random.default_rng(0), 10)
   rows["topk_logprobs"] = np.minimum(rows["topk_logprobs"], np.log(0.4))  # still sorted
   rows["topk_logprobs"][..., 0] = np.log(0.5)
-  new_store(tmp_path / "s", layout_name="packed").write(0, rows)
+  new_store(tmp_path / "s", layout_name=layout_name).write(0, rows)
+  np.save(tmp_path / "want_ids.npy", rows["topk_ids"])
   path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "notebooks",
                       "explore_cache.ipynb")
   notebook = nbformat.read(path, as_version=4)
+  notebook.cells.append(nbformat.v4.new_code_cell(
+      'assert np.array_equal(ids, np.load("want_ids.npy")); print("ids as written")'))
   monkeypatch.setenv("KDJAX_CACHE", str(tmp_path / "s"))
   nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3",
                           resources={"metadata": {"path": str(tmp_path)}}).execute()
   text = "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
                  for out in cell.outputs)
-  assert "top-1 probability      mean 0.500" in text, text
+  assert "top-1 probability      mean 0.500" in text and "ids as written" in text, text
 
 
-@pytest.mark.parametrize("layout_name", ["float32", "compact", "packed"])
+@pytest.mark.parametrize("layout_name", ["float32", "compact", "packed", "dictionary"])
 def test_a_write_encoded_in_pieces_equals_one_row_at_a_time(tmp_path, layout_name, monkeypatch,
                                                             make_rows, new_store, take):
   """store.write checks and encodes its rows in pieces on several threads: the stored values

@@ -288,25 +288,31 @@ def test_a_writer_stopped_between_data_and_record_leaves_the_region_missing(tmp_
                                 rows["topk_ids"])
 
 
+@pytest.mark.parametrize("layout_name", ["packed", "dictionary"])
 @pytest.mark.parametrize("key, value", [("prob_offset", 2.0**-5), ("logprob_scale", 2.0**-11),
-                                        ("layout", "compact")])
-def test_an_edited_packed_attribute_is_refused(tmp_path, make_rows, new_store, key, value):
-  new_store(tmp_path / "s", layout_name="packed").write(0, make_rows(np.random.default_rng(0), 10))
+                                        ("layout", "compact"), ("order_size", 2)])
+def test_an_edited_packed_attribute_is_refused(tmp_path, make_rows, new_store, key, value,
+                                               layout_name):
+  new_store(tmp_path / "s", layout_name=layout_name).write(
+      0, make_rows(np.random.default_rng(0), 10))
   set_attr(tmp_path / "s", key, value)
   with pytest.raises(cache.CacheError, match=rf"fail their checksum.*'{key}'"):
     cache.open(tmp_path / "s")
   assert cli.main(["verify", str(tmp_path / "s")]) == 2
 
 
+@pytest.mark.parametrize("layout_name, array", [("packed", "topk_logprobs"),
+                                                 ("dictionary", "topk_order")])
 def test_a_damaged_packed_cache_is_repaired_byte_identical(tmp_path, make_data, store_files,
-                                                           write, tiny_teacher, capsys):
-  """The packed layout through the fault path of the others: a flipped byte in a log-prob shard
-  fails its checksum, verify --fix drops the region, the writer rewrites it as before."""
+                                                           write, tiny_teacher, capsys,
+                                                           layout_name, array):
+  """The packed and dictionary layouts through the fault path of the others: a flipped byte in
+  a shard fails its checksum, verify --fix drops the region, the writer rewrites it as before."""
   data = make_data(tmp_path / "data")
-  write(tiny_teacher(), data, tmp_path / "whole", layout="packed")
-  write(tiny_teacher(), data, tmp_path / "cache", layout="packed")
+  write(tiny_teacher(), data, tmp_path / "whole", layout=layout_name)
+  write(tiny_teacher(), data, tmp_path / "cache", layout=layout_name)
   store = cache.open(tmp_path / "cache")
-  shard = store.shard_path("topk_logprobs", 1)
+  shard = store.shard_path(array, 1)
   with open(shard, "r+b") as f:
     f.seek(3)
     byte = f.read(1)[0]
@@ -315,7 +321,7 @@ def test_a_damaged_packed_cache_is_repaired_byte_identical(tmp_path, make_data, 
   assert cli.main(["verify", "--fix", str(tmp_path / "cache")]) == 1
   assert "DAMAGED region 1 " in capsys.readouterr().out
   assert cache.open(tmp_path / "cache", allow_partial=True).missing_regions() == [1]
-  write(tiny_teacher(), data, tmp_path / "cache", layout="packed")
+  write(tiny_teacher(), data, tmp_path / "cache", layout=layout_name)
   assert store_files(tmp_path / "cache") == store_files(tmp_path / "whole")
 
 

@@ -16,9 +16,11 @@ through blosc, crc32c) and reports, per encoding:
     random one (hidden ~ N(0, 1), lm_head ~ N(0, 1/D)) and one whose logits are the teacher's
     plus noise (see `student`), on the first rows holding --loss-positions positions (the same
     rows for every encoding).
-Errors are |L - L32| / |L32| and ||g - g32|| / ||g32|| (Frobenius). Then the whole stores of each
-layout (all arrays, manifest included) in bytes per position. Prints markdown tables; writes
-nothing outside --out.
+Errors are |L - L32| / |L32| and ||g - g32|| / ||g32|| (Frobenius). Then every kdjax layout as a
+store writes it (the dictionary layout's per-row id order included): bytes per position of all
+arrays, and the errors of what the store reads back for random students of several seeds.
+`--join N` makes rows of N cache rows (a dictionary's order is per row, so row length matters).
+Prints markdown tables; writes nothing outside --out.
 """
 import argparse
 import functools
@@ -36,6 +38,7 @@ from kdjax.cache import layout
 from kdjax.loss import topk_kl
 
 OBJECTIVES = ("sparse", "tail", "renorm")
+STORE_SEEDS = 8
 
 
 def candidates(vocab_size):
@@ -216,6 +219,9 @@ def main():
   parser.add_argument("--out", default="", help="scratch directory (default: a temporary one)")
   parser.add_argument("--allow-partial", action="store_true",
                       help="read the finished regions of a cache still being written")
+  parser.add_argument("--join", type=int, default=1,
+                      help="join this many rows of --cache into one (longer rows, as a long "
+                           "context run stores them)")
   parser.add_argument("--synthetic-vocab", type=int, default=32000,
                       help="synthetic teacher's vocabulary (without --cache)")
   parser.add_argument("--seq-len", type=int, default=128, help="synthetic rows' positions")
@@ -228,6 +234,11 @@ def main():
 
   if args.cache:
     rows, vocab, source = read_rows(args.cache, args.rows, args.allow_partial)
+    if args.join > 1:  # rows of join x T positions: a row's dictionary order sees them all
+      n = len(rows["tokens"]) // args.join * args.join
+      rows = {name: arr[:n].reshape((n // args.join, -1) + arr.shape[2:])
+              for name, arr in rows.items()}
+      source += f", rows joined {args.join} at a time"
   else:
     rows, vocab = synthetic(args.rows, args.seq_len, 100, args.synthetic_vocab,
                             overlap=args.overlap)
@@ -278,19 +289,44 @@ def main():
       print(f"| {name} | {ids_bpp:.1f} | {lp_bpp:.1f} | {ids_bpp + lp_bpp:.1f} |")
   id_codings(rows["topk_ids"], vocab, out, region_rows)
 
-  # The stores themselves (all arrays, manifest included), as kdjax writes them.
+  # The stores themselves (all arrays, manifest included), as kdjax writes them, and the errors
+  # of what they read back: the random student of the tables above (seed 0), and the RMS of the
+  # loss errors over STORE_SEEDS random students (a loss error of ~1e-6 is mostly the signs of
+  # rounding errors summing up, and one student's comparison of two layouts there is a coin flip).
   if "tokens" in rows:
-    print()
+    students = [student("random", ids, logprobs, vocab, args.dim, seed=seed)[:2]
+                for seed in range(STORE_SEEDS)]
+    references = [{obj: loss_and_grads(hidden, lm_head, jnp.asarray(ids), jnp.asarray(logprobs),
+                                       mask, obj) for obj in OBJECTIVES}
+                  for hidden, lm_head in students]
+    print(f"\n| kdjax store | B/pos on disk (all arrays, metadata) | top-k arrays B/pos | "
+          f"rel. err loss | RMS of {STORE_SEEDS} students' | grad hidden | grad lm_head |\n"
+          f"|---|---|---|---|---|---|---|")
     for layout_name in layout.LAYOUTS:
       path = os.path.join(out, f"store_{layout_name}")
       shutil.rmtree(path, ignore_errors=True)
       store = cache.create(path, num_seqs=num_rows, seq_len=seq_len, k=k, vocab_size=vocab,
                            attrs={}, layout=layout_name, region_rows=region_rows)
-      store.write(0, {name: rows[name] for name in store.dtypes})
-      total = sum(os.path.getsize(os.path.join(root, name))
-                  for root, _, names in os.walk(path) for name in names)
-      print(f"kdjax {layout_name} store of these rows: {total / positions:.1f} bytes/position "
-            f"on disk, all arrays and metadata")
+      store.write(0, {name: rows[name] for name in store.dtypes if name in rows})
+      sizes = {name: sum(os.path.getsize(os.path.join(root, f)) for root, _, names
+                         in os.walk(os.path.join(path, name)) for f in names)
+               for name in os.listdir(path)}
+      topk = sum(sizes.get(name, 0) for name in (*layout.TOPK_ARRAYS, layout.ORDER_ARRAY))
+      back = store.read(slice(0, few))
+      assert np.array_equal(back["topk_ids"], ids), layout_name
+      errors = np.zeros((STORE_SEEDS, 3))
+      for (hidden, lm_head), reference, errs in zip(students, references, errors):
+        for obj in OBJECTIVES:
+          loss, (g_hidden, g_head) = loss_and_grads(
+              hidden, lm_head, jnp.asarray(back["topk_ids"]),
+              jnp.asarray(back["topk_logprobs"]), mask, obj)
+          loss32, (g_hidden32, g_head32) = reference[obj]
+          errs[:] = np.maximum(errs, [abs(float(loss) - float(loss32)) / abs(float(loss32)),
+                                      rel(g_hidden, g_hidden32), rel(g_head, g_head32)])
+      print(f"| {layout_name} | {sum(sizes.values()) / positions:.1f} | "
+            f"{topk / positions:.1f} | {errors[0, 0]:.1e} | "
+            f"{np.sqrt(np.mean(errors[:, 0] ** 2)):.1e} | {errors[0, 1]:.1e} | "
+            f"{errors[0, 2]:.1e} |", flush=True)
   if not args.out:
     shutil.rmtree(out)
 

@@ -1,7 +1,7 @@
 """A store's attributes (the group's zarr.json): what they hold, their checksum and their checks.
 
 The attributes say how to decode the arrays (k, vocab_size, layout, logprob_scale, prob_offset,
-hidden_dim, dtypes) and what
+order_size, hidden_dim, dtypes) and what
 the data is (teacher_hash, tokenizer_hash, source): an edit to one of them would change every read
 without a sound. So at creation `attributes_sha256` is added, a sha256 of all the others, and
 manifest/zarr.json keeps a sealed copy of them (all but the creation time) under
@@ -55,6 +55,8 @@ def spec(num_seqs, seq_len, k, vocab_size, attrs, layout_name, region_rows, hidd
     out["hidden_dim"] = hidden_dim
   if k > 0:
     out.update(layout_lib.codec_params(layout_name))
+    if layout_name == "dictionary":
+      out["order_size"] = layout_lib.order_size(seq_len, vocab_size)
   clash = {key: (attrs[key], out[key]) for key in set(out) & set(attrs) if attrs[key] != out[key]}
   if clash:
     raise CacheError(f"attrs contradict the arguments (key: attrs vs arguments): {clash}")
@@ -121,4 +123,10 @@ def decoding_problems(attrs):
     if attrs.get(key) != value:
       problems.append(f"{key} = {attrs.get(key)!r}, but {layout_name} stores are written with "
                       f"{key} = {value!r}")
+  size = attrs.get("order_size")
+  if layout_name == "dictionary" and k > 0:
+    if type(size) is not int or not 0 < size <= attrs["vocab_size"]:
+      problems.append(f"order_size = {size!r} is not an integer in 1..vocab_size")
+  elif size is not None:
+    problems.append(f"order_size = {size!r} in a {layout_name} store without an id order")
   return problems

@@ -23,6 +23,16 @@ Layouts of the top-k arrays (S rows, T positions, K entries, H hidden width):
            entry's share of the loss and its gradients scales with p, so the many tiny entries of
            a top-100 need no more than that, and their gaps shrink to a few levels (zstd: a few
            bits each). p = 1 is level 0; p = 0 is the last level, read as p0 * s / 4.
+  dictionary: packed's log-probs; topk_ids hold codes into each row's own id order, `topk_order`
+           [S, M] (M = the attribute order_size, ids' dtype): the row's M most frequent top-k ids
+           by descending count (ties: smaller id first), padded with the smallest ids the row
+           lacks. An id's code is its place in the row's table = order, then every id not in it
+           ascending, so any id has one (exact for any vocabulary); decode: ids = table[codes],
+             mask = zeros(V, bool); mask[order] = True
+             table = concatenate([order, flatnonzero(~mask)])
+           A real teacher's top-k ids crowd on far fewer tokens than the vocabulary and than their
+           raw ids suggest, so the small codes zstd stores in fewer bytes (SmolLM2's 8K rows: 148 B
+           per position of ids and order against 173 for packed's ids, BENCHMARKS.md).
 The teacher's final hidden states (optional, `hidden_dim` H > 0, either layout): `hidden` [S, T, H]
 uint16 holding bfloat16 bit patterns (zarr v3 has no bfloat16: `read` views them as
 ml_dtypes.bfloat16; plain readers: `np.asarray(x).view(ml_dtypes.bfloat16)`), 2 * H bytes per
@@ -34,10 +44,11 @@ import ml_dtypes
 import numpy as np
 
 FORMAT_VERSION = 1
-LAYOUTS = ("float32", "compact", "packed")
+LAYOUTS = ("float32", "compact", "packed", "dictionary")
 TOKEN_ARRAYS = {"tokens": "int32", "segment_ids": "int32", "positions": "int32", "loss_mask": "bool"}
 TOPK_ARRAYS = ("topk_ids", "topk_logprobs")
 HIDDEN_ARRAY = "hidden"
+ORDER_ARRAY = "topk_order"  # dictionary: each row's id order [S, M]
 # 2**-11 nats: an entry's probability is off by at most 0.025% relative, and loss and gradients
 # by ~1e-4 (5e-4 for a student close to the teacher) of a float32 cache, for ~13 bytes per position
 # more than 2**-10 (experiments/studies/cache_compact.py). 65535 steps cover 32 nats; entries below
@@ -52,6 +63,11 @@ MAX_GAP = np.iinfo(np.uint16).max
 # entries weigh log p in the loss).
 PACKED_SCALE = 2.0**-12
 PACKED_OFFSET = 2.0**-9
+# Dictionary: a row's order holds about as many ids as it has positions, within these bounds.
+# On SmolLM2's rows of 8192 positions (~15K distinct top-100 ids a row) 4096..16384 entries
+# store within 1 B per position of each other; the order itself costs ~2 B an entry, so a short
+# row takes a short one.
+MIN_ORDER, MAX_ORDER = 1024, 16384
 
 
 def array_dtypes(k, vocab_size, layout, hidden_dim=0):
@@ -65,6 +81,8 @@ def array_dtypes(k, vocab_size, layout, hidden_dim=0):
     else:
       wide = "int32" if layout == "compact" else "uint32"
       dtypes.update(topk_ids="uint16" if vocab_size <= 2**16 else wide, topk_logprobs="uint16")
+    if layout == "dictionary":
+      dtypes[ORDER_ARRAY] = dtypes["topk_ids"]
   if hidden_dim > 0:
     dtypes[HIDDEN_ARRAY] = "uint16"  # bfloat16 bit patterns
   return dtypes
@@ -76,7 +94,7 @@ def array_metadata(name, shape, dtype, region_rows, layout="float32"):
   # mostly zero: bit shuffle measured ~5% smaller than byte shuffle on the demo's V = 2048
   # (experiments/studies/cache_compact.py). Packed keeps byte shuffle: 1-4% smaller on SmolLM2's
   # V = 49152 and on Zipf ids at V = 128256.
-  bits = name == "topk_ids" and layout != "packed"
+  bits = name == "topk_ids" and layout in ("float32", "compact")
   return zarr_metadata(shape, dtype, region_rows, shuffle="bitshuffle" if bits else None)
 
 
@@ -108,8 +126,48 @@ def zarr_metadata(shape, dtype, region_rows, *, shuffle=None, clevel=5):
 def codec_params(layout):
   """{attribute: value} the top-k log-probs of `layout` are decoded with (stored in the store's
   attributes)."""
-  return {"compact": {"logprob_scale": LOGPROB_SCALE},
-          "packed": {"logprob_scale": PACKED_SCALE, "prob_offset": PACKED_OFFSET}}.get(layout, {})
+  packed = {"logprob_scale": PACKED_SCALE, "prob_offset": PACKED_OFFSET}
+  return {"compact": {"logprob_scale": LOGPROB_SCALE}, "packed": packed,
+          "dictionary": packed}.get(layout, {})
+
+
+def order_size(seq_len, vocab_size):
+  """M, the ids in each row's order of a new dictionary store."""
+  return int(min(vocab_size, max(MIN_ORDER, min(seq_len, MAX_ORDER))))
+
+
+def dictionary_encode(ids_SxTxK, vocab_size, size):
+  """ids -> (codes_SxTxK, order_SxM) of the dictionary layout (module docstring), M = size."""
+  codes = np.empty(ids_SxTxK.shape, ids_SxTxK.dtype)
+  order_SxM = np.empty((ids_SxTxK.shape[0], size), ids_SxTxK.dtype)
+  place_V = np.empty(vocab_size, np.int64)
+  for row, ids_TxK in enumerate(ids_SxTxK):
+    counts_V = np.bincount(ids_TxK.ravel(), minlength=vocab_size)
+    seen = np.flatnonzero(counts_V)
+    seen = seen[np.argsort(-counts_V[seen], kind="stable")]  # ties keep ascending ids
+    unseen = np.flatnonzero(counts_V == 0)[:max(0, size - len(seen))]
+    order_M = np.concatenate([seen[:size], unseen])
+    place_V[_table(order_M, vocab_size)] = np.arange(vocab_size)
+    codes[row] = place_V[ids_TxK]
+    order_SxM[row] = order_M
+  return codes, order_SxM
+
+
+def _table(order_M, vocab_size):
+  """A row's code -> id table: its order, then every other id ascending."""
+  mask_V = np.zeros(vocab_size, bool)
+  mask_V[order_M] = True
+  return np.concatenate([order_M, np.flatnonzero(~mask_V)])
+
+
+def dictionary_decode(codes_SxTxK, order_SxM, vocab_size):
+  """Codes and each row's order -> int32 ids. The orders must hold distinct ids below
+  vocab_size (values.check_order)."""
+  ids = np.empty(codes_SxTxK.shape, np.int32)
+  for row, (codes_TxK, order_M) in enumerate(zip(codes_SxTxK, order_SxM)):
+    np.take(_table(order_M.astype(np.int64), vocab_size).astype(np.int32), codes_TxK,
+            out=ids[row])
+  return ids
 
 
 def encode_topk(ids_SxTxK, logprobs_SxTxK, dtypes, scale=LOGPROB_SCALE, offset=0.0):

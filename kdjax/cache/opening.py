@@ -79,7 +79,7 @@ def create(path, *, num_seqs, seq_len, k, vocab_size, attrs, layout="float32", r
     vocab_size: ids must lie in [0, vocab_size).
     attrs: JSON-serialisable identity of the contents (teacher hash, tokenizer hash, data
       source); resuming with different attrs is refused.
-    layout: "float32" (reference), "compact" or "packed" (see layout.py).
+    layout: "float32" (reference), "compact", "packed" or "dictionary" (see layout.py).
     region_rows: rows per region (the unit of writing and crash safety); default ~256K positions.
     hidden_dim: H > 0 also stores the teacher's final hidden states [S, T, H] (bf16, layout.py).
   Raises:

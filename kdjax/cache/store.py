@@ -64,6 +64,7 @@ class Store:
     self._scale = attrs.get("logprob_scale")
     self._offset = attrs.get("prob_offset", 0.0)  # packed only
     self.hidden_dim = attrs.get("hidden_dim", 0)  # H of the teacher's hidden states; 0: none
+    self.order_size = attrs.get("order_size", 0)  # dictionary only: M ids in each row's order
     self.num_regions = -(-self.num_seqs // self.region_rows)
     futures = {name: ts.open(self._ts_spec(name, create), create=create, open=True)
                for name in self.dtypes}
@@ -86,6 +87,8 @@ class Store:
                          f"damaged; delete it and rebuild.")
 
   def shape(self, name):
+    if name == layout_lib.ORDER_ARRAY:
+      return (self.num_seqs, self.order_size)
     last = {**dict.fromkeys(layout_lib.TOPK_ARRAYS, (self.k,)),
             layout_lib.HIDDEN_ARRAY: (self.hidden_dim,)}
     return (self.num_seqs, self.seq_len) + last.get(name, ())
@@ -176,7 +179,7 @@ class Store:
 
   def _check_batch(self, start, batch):
     """The batch's arrays and shapes; their values are checked by _check_values."""
-    expected = set(self.dtypes)
+    expected = set(self.dtypes) - {layout_lib.ORDER_ARRAY}  # the encoding's own
     if set(batch) != expected:
       raise CacheError(f"{self.path}: write needs exactly the arrays {sorted(expected)}, got "
                        f"{sorted(batch)}")
@@ -209,6 +212,9 @@ class Store:
     if self.k > 0:
       stored["topk_ids"], stored["topk_logprobs"] = layout_lib.encode_topk(
           batch["topk_ids"], batch["topk_logprobs"], self.dtypes, self._scale, self._offset)
+      if self.order_size:
+        stored["topk_ids"], stored[layout_lib.ORDER_ARRAY] = layout_lib.dictionary_encode(
+            stored["topk_ids"], self.vocab_size, self.order_size)
     if self.hidden_dim:
       stored["hidden"] = layout_lib.encode_hidden(batch["hidden"])
     return {name: arr.astype(self.dtypes[name], copy=False) for name, arr in stored.items()}
@@ -222,7 +228,8 @@ class Store:
       return self._encode(start, batch)
     # Each piece lands in its rows of one array per name: no concatenation, so a region of
     # hidden states takes no second copy.
-    stored = {name: np.empty(arr.shape, self.dtypes[name]) for name, arr in batch.items()}
+    stored = {name: np.empty((n,) + self.shape(name)[1:], self.dtypes[name])
+              for name in self.dtypes}
 
     def encode(a, b):
       for name, arr in self._encode(start + a, {name: x[a:b] for name, x in batch.items()}).items():
@@ -323,6 +330,12 @@ class Store:
     out["tokens"] = out["tokens"].astype(np.int32)
     if isinstance(rows, slice):
       rows = np.arange(*rows.indices(self.num_seqs))
+    if self.order_size:
+      order = out.pop(layout_lib.ORDER_ARRAY)
+      codes = out["topk_ids"][..., :self.read_k]
+      values.check_ids(codes, rows, self.vocab_size, where, fix)
+      values.check_order(order, rows, self.vocab_size, where, fix)
+      out["topk_ids"] = layout_lib.dictionary_decode(codes, order, self.vocab_size)
     if self.k > 0:
       out["topk_ids"], out["topk_logprobs"] = layout_lib.decode_topk(
           out["topk_ids"], out["topk_logprobs"], self.dtypes, self._scale, self.read_k,

@@ -33,6 +33,17 @@ def check_ids(ids, rows, vocab_size, where,
                      f"({bad.sum()} outside, first at {_first(bad, rows)}). {fix}")
 
 
+def check_order(order_SxM, rows, vocab_size, where, fix):
+  """Each row's id order (dictionary layout) holds distinct ids in [0, vocab_size)."""
+  check_ids(order_SxM, rows, vocab_size, where, fix)
+  sorted_SxM = np.sort(order_SxM, axis=-1)
+  repeated = np.zeros(order_SxM.shape, bool)
+  repeated[:, 1:] = sorted_SxM[:, 1:] == sorted_SxM[:, :-1]
+  if repeated.any():
+    raise CacheError(f"{where}: a row's id order (topk_order) repeats an id (first: row "
+                     f"{rows[np.argwhere(repeated)[0][0]]}). {fix}")
+
+
 def check_logprobs(logprobs, rows, where, fix):
   """logprobs [S, T, K] of store rows `rows` [S] are finite and <= 0."""
   bad = ~np.isfinite(logprobs)
