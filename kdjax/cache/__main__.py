@@ -16,6 +16,7 @@ import sys
 
 from kdjax import cache
 from kdjax.cache import integrity
+from kdjax.cache import layout
 
 
 def _size(n):
@@ -48,7 +49,7 @@ def info(store):
   for name, dtype in store.dtypes.items():
     print(f"  {name:14s} {dtype:8s} {str(list(store.shape(name))):22s} {_size(sizes[name]):>10s} "
           f"{sizes[name] / positions:8.2f} B/position")
-  topk = sum(sizes.get(name, 0) for name in ("topk_ids", "topk_logprobs"))
+  topk = sum(sizes.get(name, 0) for name in (*layout.TOPK_ARRAYS, layout.ORDER_ARRAY))
   print(f"  {'total':14s} {'':8s} {'':22s} {_size(sum(sizes.values())):>10s} "
         f"{sum(sizes.values()) / positions:8.2f} B/position (top-k arrays: "
         f"{topk / positions:.2f})")
