@@ -71,7 +71,7 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tmp_path, monkeypatch,
   assert store_files(tmp_path / "resumed") == store_files(tmp_path / "whole")
 
 
-@pytest.mark.parametrize("layout_name", ["float32", "compact"])
+@pytest.mark.parametrize("layout_name", ["float32", "compact", "dictionary"])
 def test_parallel_writers_write_the_same_bytes_and_resume(tmp_path, monkeypatch, make_data,
                                                           store_files, write, layout_name):
   model = make_teacher()
