@@ -140,15 +140,24 @@ def dictionary_encode(ids_SxTxK, vocab_size, size):
   """ids -> (codes_SxTxK, order_SxM) of the dictionary layout (module docstring), M = size."""
   codes = np.empty(ids_SxTxK.shape, ids_SxTxK.dtype)
   order_SxM = np.empty((ids_SxTxK.shape[0], size), ids_SxTxK.dtype)
-  place_V = np.empty(vocab_size, np.int64)
+  place_V = np.empty(vocab_size, ids_SxTxK.dtype)
+  codes_V = np.arange(vocab_size, dtype=ids_SxTxK.dtype)
+  shift = int(vocab_size).bit_length()
   for row, ids_TxK in enumerate(ids_SxTxK):
     counts_V = np.bincount(ids_TxK.ravel(), minlength=vocab_size)
     seen = np.flatnonzero(counts_V)
-    seen = seen[np.argsort(-counts_V[seen], kind="stable")]  # ties keep ascending ids
+    # Descending count, ties by ascending id: one distinct key per id, so the top `size` are one
+    # set whatever argpartition does, and only they are sorted.
+    keys = (counts_V[seen].astype(np.int64) << shift) | (vocab_size - 1 - seen)
+    if len(seen) > size:
+      top = np.argpartition(-keys, size - 1)[:size]
+      seen = seen[top[np.argsort(-keys[top])]]
+    else:
+      seen = seen[np.argsort(-keys)]
     unseen = np.flatnonzero(counts_V == 0)[:max(0, size - len(seen))]
-    order_M = np.concatenate([seen[:size], unseen])
-    place_V[_table(order_M, vocab_size)] = np.arange(vocab_size)
-    codes[row] = place_V[ids_TxK]
+    order_M = np.concatenate([seen, unseen])
+    place_V[_table(order_M, vocab_size)] = codes_V
+    np.take(place_V, ids_TxK, out=codes[row], mode="clip")  # ids checked < vocab_size
     order_SxM[row] = order_M
   return codes, order_SxM
 
@@ -161,12 +170,13 @@ def _table(order_M, vocab_size):
 
 
 def dictionary_decode(codes_SxTxK, order_SxM, vocab_size):
-  """Codes and each row's order -> int32 ids. The orders must hold distinct ids below
-  vocab_size (values.check_order)."""
+  """Codes and each row's order -> int32 ids. The codes must lie below vocab_size and the orders
+  hold distinct ids below it (values.check_ids, values.check_order)."""
   ids = np.empty(codes_SxTxK.shape, np.int32)
   for row, (codes_TxK, order_M) in enumerate(zip(codes_SxTxK, order_SxM)):
+    # mode "clip": numpy buffers `out` under "raise"; the codes were checked < vocab_size.
     np.take(_table(order_M.astype(np.int64), vocab_size).astype(np.int32), codes_TxK,
-            out=ids[row])
+            out=ids[row], mode="clip")
   return ids
 
 
@@ -229,13 +239,13 @@ def decode_topk(ids_SxTxK, stored_SxTxK, dtypes, scale=LOGPROB_SCALE, k=None, of
     return ids_SxTxK.astype(np.int32), np.ascontiguousarray(stored_SxTxK)
   # Compact and packed entries are sorted by descending probability (encode_topk): the first k
   # are the top k.
-  ids = ids_SxTxK[..., :k].astype(np.int32)
+  ids = ids_SxTxK[..., :k].astype(np.int32, copy=False)
   stored_SxTxK = stored_SxTxK[..., :k]
   # Encoding keeps every cumulative sum <= MAX_GAP, so uint16 accumulation cannot wrap (on
   # intact data; damaged chunks fail their crc32c first). uint16 is ~3x faster than int64 here.
   levels = np.cumsum(stored_SxTxK, axis=-1, dtype=np.uint16)
   if offset:  # packed: one gather from the table of its levels
-    return ids, np.take(packed_logprobs(scale, offset), levels)
+    return ids, np.take(packed_logprobs(scale, offset), levels, mode="clip")  # 65536 entries
   logprobs = levels.astype(np.float32)
   logprobs *= np.float32(-scale)
   return ids, logprobs
