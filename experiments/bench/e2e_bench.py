@@ -12,15 +12,15 @@ change).
 
 student: the config's student (configs/8k.py, configs/32k.py: Llama-3.2-3B shapes, float32
 parameters and AdamW, bf16 compute, the fused loss, K = 100) with RANDOM weights, trained on a
-synthetic compact cache written to local disk first: random tokens packed into `docs` documents
+synthetic cache (the config's layout) written to local disk first: random tokens packed into `docs` documents
 of unequal length per row (`--docs stdlib`: rows as real text packs, this Python's standard
 library files as the documents: synthetic_rows.py), random top-k entries. Steps run through
 `train.Trainer` (its loader's `next_batch`, then `step`), as `train.fit` runs them (fit adds
 checkpoints and reports). The first step compiles; the median of the rest is reported.
 
 teacher: a RANDOM-weight Llama-3.1-8B-shaped teacher (bf16; the config's teacher: gpt-oss's with
-configs/gpt_oss.py, its MXFP4 experts random packed codes) writes a compact top-100 cache of
-synthetic packed rows through `teacher.write_cache` (tokens/s with the zarr write), and the
+configs/gpt_oss.py, its MXFP4 experts random packed codes) writes its top-100 cache (the
+config's layout) of synthetic packed rows through `teacher.write_cache` (tokens/s with the zarr write), and the
 jitted teacher step alone (`teacher.topk_batch` over the first ALONE_BATCHES batches, once each
 after a compile: device only, their documents' mean context; before 2026-12-04 one batch five
 times, whose documents need not be the run's mean; its model FLOP/s,
@@ -125,7 +125,7 @@ def run_student(args) -> dict:
   shutil.rmtree(directory, ignore_errors=True)
   t0 = time.perf_counter()
   store = synthetic_cache(directory, rng, rows=rows, seq_len=seq_len, docs=args.docs,
-                          vocab=model_cfg.vocab_size, k=c.cache.k)
+                          vocab=model_cfg.vocab_size, k=c.cache.k, layout=c.cache.layout)
   print(f"synthetic cache: {rows} rows x {seq_len} in {time.perf_counter() - t0:.1f} s", flush=True)
 
   c.opt.accum_steps = accum

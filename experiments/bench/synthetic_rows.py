@@ -1,6 +1,6 @@
 """The benchmarks' synthetic rows: packed segment ids (documents of Dirichlet lengths, or rows as
-real text packs from this Python's standard library files) and a compact top-k cache of random
-tokens and entries over them (experiments/bench/e2e_bench.py, attention_bench.py, paper_table.py;
+real text packs from this Python's standard library files) and a top-k cache (compact unless
+asked) of random tokens and entries over them (experiments/bench/e2e_bench.py, attention_bench.py, paper_table.py;
 experiments/studies/documents_per_row.py)."""
 import glob
 import os
@@ -54,10 +54,10 @@ def packed_segments(rng, rows: int, seq_len: int, docs):
   return segment_ids, positions
 
 
-def synthetic_cache(path, rng, *, rows, seq_len, docs, vocab, k):
+def synthetic_cache(path, rng, *, rows, seq_len, docs, vocab, k, layout="compact"):
   segment_ids, positions = packed_segments(rng, rows, seq_len, docs)
   store = cache.create(path, num_seqs=rows, seq_len=seq_len, k=k, vocab_size=vocab,
-                       attrs={"source": "synthetic"}, layout="compact")
+                       attrs={"source": "synthetic"}, layout=layout)
   for r in range(rows):  # row by row: a 128K x 100 row of float32 is 52 MB
     z = -np.sort(rng.exponential(2.0, size=(1, seq_len, k)), -1)  # descending
     # 90% of the teacher's mass in its top-k, as a real teacher's cache holds
