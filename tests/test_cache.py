@@ -130,6 +130,24 @@ def test_dictionary_store_round_trip_is_exact_at_any_k(tmp_path, rng, monkeypatc
     store.read(slice(0, n))
 
 
+@pytest.mark.parametrize("layout_name", ["float32", "dictionary"])
+def test_an_id_past_the_vocabulary_on_disk_is_refused_at_read(tmp_path, layout_name, make_rows,
+                                                             new_store):
+  """A stored id (a float32 store's, here in the entry its unsorted row ranks first, read at
+  k = 2) or dictionary code past the vocabulary fails the read, naming its row."""
+  rows = make_rows(np.random.default_rng(3), 10)
+  if layout_name == "float32":
+    rows["topk_logprobs"] = rows["topk_logprobs"][..., ::-1].copy()  # ascending: last is top
+  new_store(tmp_path / "s", layout_name=layout_name).write(0, rows)
+  path = str(tmp_path / "s" / "topk_ids")
+  ids = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}).result()
+  row = ids[6].read().result()
+  row[3, -1] = V + 5
+  ids[6].write(row).result()
+  with pytest.raises(cache.CacheError, match="ids must lie in.*row 6"):
+    cache.open(tmp_path / "s", k=2 if layout_name == "float32" else None).read(slice(0, 10))
+
+
 def test_stores_of_the_earlier_layouts_still_open_and_read_the_same(make_rows, take):
   """float32 and compact stores written by the code before the packed layout (main at 9c93f6d),
   a packed one by the code before the dictionary layout (main at 5d326b3;

@@ -31,7 +31,7 @@ Layouts of the top-k arrays (S rows, T positions, K entries, H hidden width):
              mask = zeros(V, bool); mask[order] = True
              table = concatenate([order, flatnonzero(~mask)])
            A real teacher's top-k ids crowd on far fewer tokens than the vocabulary and than their
-           raw ids suggest, so the small codes zstd stores in fewer bytes (SmolLM2's 8K rows: 148 B
+           raw ids suggest, so the small codes zstd stores in fewer bytes (SmolLM2's 8K rows: 147 B
            per position of ids and order against 173 for packed's ids, BENCHMARKS.md).
 The teacher's final hidden states (optional, `hidden_dim` H > 0, either layout): `hidden` [S, T, H]
 uint16 holding bfloat16 bit patterns (zarr v3 has no bfloat16: `read` views them as

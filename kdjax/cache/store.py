@@ -331,18 +331,20 @@ class Store:
     if isinstance(rows, slice):
       rows = np.arange(*rows.indices(self.num_seqs))
     if self.k > 0:
-      # Stored ids (or a dictionary's codes) may lie past the vocabulary; decoded ids from a
-      # checked order cannot. Quantised log-probs decode to finite values <= 0 whatever is
-      # stored, so only float32 ones are checked.
-      values.check_ids(out["topk_ids"][..., :self.read_k], rows, self.vocab_size, where, fix)
+      # Stored ids and a dictionary's codes may lie past the vocabulary; ids decoded from
+      # checked codes and a checked order cannot. Quantised log-probs decode to finite values
+      # <= 0 whatever is stored, so only float32 ones are checked.
       if self.order_size:
+        codes = out["topk_ids"][..., :self.read_k]
         order = out.pop(layout_lib.ORDER_ARRAY)
+        values.check_ids(codes, rows, self.vocab_size, where, fix)
         values.check_order(order, rows, self.vocab_size, where, fix)
-        out["topk_ids"] = layout_lib.dictionary_decode(out["topk_ids"][..., :self.read_k],
-                                                       order, self.vocab_size)
+        out["topk_ids"] = layout_lib.dictionary_decode(codes, order, self.vocab_size)
       out["topk_ids"], out["topk_logprobs"] = layout_lib.decode_topk(
           out["topk_ids"], out["topk_logprobs"], self.dtypes, self._scale, self.read_k,
           self._offset)
+      if not self.order_size:
+        values.check_ids(out["topk_ids"], rows, self.vocab_size, where, fix)
       if self.dtypes["topk_logprobs"] == "float32":
         values.check_logprobs(out["topk_logprobs"], rows, where, fix)
     if "hidden" in out:
