@@ -41,6 +41,12 @@ SWEEP = {
     # documents bound is the fullest row's where the entries above hold 4 or 8 in every row.
     "8k-stdlib": "student --config configs/8k.py --docs stdlib --memory",
     "32k-stdlib": "student --config configs/32k.py --docs stdlib --steps 2",
+    # The same with each micro-batch's own documents bound (opt.documents_bound): more compiled
+    # programs (at most log2(T)), fewer empty cuDNN calls per layer.
+    "8k-stdlib-mb": "student --config configs/8k.py --docs stdlib --memory "
+                    "--set opt.documents_bound=micro_batch",
+    "32k-stdlib-mb": "student --config configs/32k.py --docs stdlib --steps 2 "
+                     "--set opt.documents_bound=micro_batch",
     "32k": "student --config configs/32k.py --docs 8 --steps 2",
     "32k-dots": "student --config configs/32k.py --docs 8 --steps 2 --memory --set student.remat=dots "
                 "--mem-fraction 0.92",
@@ -63,6 +69,11 @@ SWEEP = {
     # of billions of tokens pays them once per split). write_cache logs that drain.
     "teacher-8k": "teacher --seq-len 8192 --docs 4 --rows 256",
     "teacher-32k": "teacher --seq-len 32768 --docs 8 --rows 64",
+    # The configs' cache layout is "dictionary" since 2026-12-04 (eighth session); the same runs
+    # with the compact layout measured before, for the ratio in one call.
+    "teacher-8k-compact": "teacher --seq-len 8192 --docs 4 --rows 256 --set cache.layout=compact",
+    "teacher-32k-compact": "teacher --seq-len 32768 --docs 8 --rows 64 "
+                           "--set cache.layout=compact",
     # Two GPUs (sweep 8k 8k-dp2 teacher-8k-b2 teacher-8k-fsdp2 teacher-70b-8k-fsdp2 in one call:
     # the ratios to one GPU). The same 32 rows per step as `8k`, 16 rows per GPU; the teacher
     # sharded over both (weights over fsdp, a batch's 2 rows one per GPU) against one GPU with
