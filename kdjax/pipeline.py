@@ -81,14 +81,14 @@ def stage_cache(c, paths: Paths):
   rank, world = ((c.cache.rank, c.cache.world) if parallel.spans_processes(mesh)
                  else parallel.cache_rank(c.cache.rank, c.cache.world))
   hidden = {"train": hidden_dim, "eval": 0}
+  data = {split: cache.open(paths.data(split)) for split in hidden}
   splits = [split for split in hidden
-            if not _holds_top_k(paths.cache(split), c.cache.k, attrs["teacher_hash"],
-                                hidden[split])]
-  data = {split: cache.open(paths.data(split)) for split in splits}
+            if not _holds_top_k(paths.cache(split), c.cache.k, c.cache.layout,
+                                attrs["teacher_hash"], hidden[split], data[split])]
   # One bound on the documents per row for the splits to write: one compiled teacher step, not
   # one per split (a real teacher's compile takes seconds).
-  max_documents = max((attention.store_documents_bound(store)
-                       for store in data.values()), default=1)
+  max_documents = max((attention.store_documents_bound(data[split]) for split in splits),
+                      default=1)
   # SIGTERM stops every process between two regions (kdjax.peers.Stop), to resume from them.
   with peers.Stop("cache", lockstep=parallel.spans_processes(mesh)) as stop:
     for split in splits:
@@ -102,18 +102,23 @@ def stage_cache(c, paths: Paths):
       stop.barrier(f"cache {split}")  # every region written before anyone reads the split
 
 
-def _holds_top_k(path: str, k: int, teacher_hash: str, hidden_dim: int) -> bool:
-  """Whether a complete cache at `path` from this teacher holds more than k entries per position
-  (it serves k, cache.open reads its first k): no need to write one of k."""
+def _holds_top_k(path: str, k: int, layout: str, teacher_hash: str, hidden_dim: int,
+                 data_store) -> bool:
+  """Whether a complete cache at `path` of this teacher on these rows holds at least k entries
+  per position (more serve k: cache.open reads the first k), in any layout (one written earlier
+  with another cache.layout, or by `python -m kdjax.cache recode`): no need to write one."""
   try:
     store = cache.open(path, k=k)
   except cache.CacheError:
     return False  # none, incomplete or otherwise unfit: write_cache resumes it or says why
-  if store.k > k and store.attrs.get("teacher_hash") == teacher_hash and (
-      store.hidden_dim == hidden_dim or not hidden_dim):
-    logging.info("cache: %s holds this teacher's top %d; read as its top %d", path, store.k, k)
-    return True
-  return False
+  data = {key: value for key, value in data_store.attrs.items() if key != "created"}
+  if not (store.attrs.get("teacher_hash") == teacher_hash and store.attrs.get("data") == data
+          and (store.hidden_dim == hidden_dim or not hidden_dim)):
+    return False
+  if store.k > k or store.layout != layout:
+    logging.info("cache: %s holds this teacher's top %d of these rows in the %s layout; read as "
+                 "its top %d", path, store.k, store.layout, k)
+  return True
 
 
 def stage_train(c, paths: Paths):

@@ -79,3 +79,35 @@ def test_loader_raises_on_a_damaged_chunk_and_retries_the_same_batch(store_and_r
   with pytest.raises(cache.CacheError, match="corrupt"):
     next(loader)  # the same batch again, not the next one
   loader.close()
+
+
+def test_recode_writes_the_rows_again_in_another_layout_and_resumes(tmp_path, capsys, monkeypatch,
+                                                                    make_rows, new_store):
+  """`recode` of a float32 store to the dictionary layout equals a direct dictionary write of the
+  same rows, keeps what the store holds (teacher, tokenizer) and resumes after an interruption;
+  an unfinished source is refused with nothing written."""
+  rows = make_rows(np.random.default_rng(2), 10)
+  new_store(tmp_path / "f32").write(0, rows)
+  new_store(tmp_path / "direct", layout_name="dictionary").write(0, rows)
+  real_write = cache.Store.write
+
+  def stop_after_the_first_region(self, start, batch):
+    if start > 0:
+      raise KeyboardInterrupt("stopped")
+    real_write(self, start, batch)
+
+  monkeypatch.setattr(cache.Store, "write", stop_after_the_first_region)
+  with pytest.raises(KeyboardInterrupt):
+    cli.main(["recode", str(tmp_path / "f32"), str(tmp_path / "new")])
+  monkeypatch.setattr(cache.Store, "write", real_write)
+  assert cache.open(tmp_path / "new", allow_partial=True).missing() == [(4, 8), (8, 10)]
+  assert cli.main(["recode", str(tmp_path / "f32"), str(tmp_path / "new")]) == 0
+  assert "layout dictionary" in capsys.readouterr().out
+  new = cache.open(tmp_path / "new", vocab_size=300, tokenizer_hash="tok1")
+  assert new.attrs["teacher_hash"] == "t1" and new.attrs["recoded_from"] == "float32"
+  got, want = new.read(slice(0, 10)), cache.open(tmp_path / "direct").read(slice(0, 10))
+  for name in want:
+    np.testing.assert_array_equal(got[name], want[name])
+  new_store(tmp_path / "partial").write(0, make_rows(np.random.default_rng(3), 4))
+  assert cli.main(["recode", str(tmp_path / "partial"), str(tmp_path / "other")]) == 2
+  assert "incomplete" in capsys.readouterr().err and not (tmp_path / "other").exists()

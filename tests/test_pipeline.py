@@ -121,3 +121,21 @@ def test_notebook_runs_on_the_demo_cache(demo_run, monkeypatch):
   outputs = "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
                     for out in cell.outputs)
   assert "top-k mass" in outputs and "tensorstore and zarr-python disagree" not in outputs
+
+
+def test_a_recoded_cache_is_used_as_it_is(demo_run, tmp_path):
+  """`python -m kdjax.cache recode` of the demo's cache into the dictionary layout: the cache stage
+  pointed at it, under the demo's own cache.layout, takes it as it is and writes nothing."""
+  workdir, _ = demo_run
+  for split in ("train", "eval"):
+    subprocess.run([sys.executable, "-m", "kdjax.cache", "recode",
+                    str(workdir / "cache" / f"{split}.zarr"), str(tmp_path / f"{split}.zarr")],
+                   check=True, cwd=ROOT, capture_output=True,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  files = lambda: sorted((os.path.join(d, f), os.path.getmtime(os.path.join(d, f)))
+                         for d, _, names in os.walk(tmp_path) for f in names)
+  before = files()
+  out = run_main("demo.py:smoke", workdir, "--config.stages=('cache',)",
+                 f"--config.cache.path={tmp_path}")
+  assert "of these rows in the dictionary layout" in out.stderr, out.stderr[-2000:]
+  assert files() == before  # nothing written

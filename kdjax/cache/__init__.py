@@ -8,7 +8,8 @@
     for batch in cache.Loader(store, batch_size=8, seed=0): ...
 
 Shape letters: S rows (sequences), T positions, K top-k entries. See ARCHITECTURE.md.
-`python -m kdjax.cache info|verify PATH` inspects a store. Crash safety: store.py; create() and
+`python -m kdjax.cache info|verify PATH` inspects a store; `recode PATH NEW_PATH --layout L`
+writes it again in another layout. Crash safety: store.py; create() and
 open(): opening.py; attributes and their checksum: attributes.py; fault injection for tests:
 failpoints.py.
 """

@@ -1,4 +1,5 @@
-"""Inspect a store: `python -m kdjax.cache info|verify [--fix] [--quick] PATH`.
+"""Inspect a store: `python -m kdjax.cache info|verify [--fix] [--quick] PATH`, or write it again
+in another layout: `python -m kdjax.cache recode PATH NEW_PATH --layout dictionary`.
 
 info    shape, attributes, completeness, bytes on disk and per position.
 verify  checks the store's attributes (their checksum), then every finished region: manifest
@@ -8,6 +9,9 @@ verify  checks the store's attributes (their checksum), then every finished regi
         unparsable attributes: nothing is checked or changed then).
         --fix deletes the records and shards of damaged regions only (their own files fail their
         own checksums), so re-running the stage that wrote the store rewrites exactly those.
+recode  writes the rows of a finished store at NEW_PATH in --layout (recode.py); the same command
+        resumes an interrupted recode. Train on it with cache.path=NEW_PATH and cache.layout set
+        to the new layout (the cache stage checks that its store matches the config).
 """
 import argparse
 import json
@@ -17,6 +21,7 @@ import sys
 from kdjax import cache
 from kdjax.cache import integrity
 from kdjax.cache import layout
+from kdjax.cache import recode
 
 
 def _size(n):
@@ -88,11 +93,24 @@ def verify(store, *, quick, fix):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(prog="python -m kdjax.cache", description=__doc__.split("\n")[0])
-  parser.add_argument("command", choices=("info", "verify"))
+  parser.add_argument("command", choices=("info", "verify", "recode"))
   parser.add_argument("path")
+  parser.add_argument("new_path", nargs="?", help="recode: where the new store is written")
   parser.add_argument("--quick", action="store_true", help="verify: skip decoding every row")
   parser.add_argument("--fix", action="store_true", help="verify: mark damaged regions for rewriting")
+  parser.add_argument("--layout", choices=layout.LAYOUTS, default="dictionary",
+                      help="recode: the new store's layout")
   args = parser.parse_args(argv)
+  if args.command == "recode":
+    if not args.new_path:
+      parser.error("recode needs PATH and NEW_PATH")
+    try:
+      store = recode.recode(args.path, args.new_path, args.layout)
+    except cache.CacheError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    info(store)
+    return 0
   try:
     store = cache.open(args.path, allow_partial=True)
   except cache.CacheError as e:
