@@ -17,7 +17,8 @@ through blosc, crc32c) and reports, per encoding:
     plus noise (see `student`), on the first rows holding --loss-positions positions (the same
     rows for every encoding).
 Errors are |L - L32| / |L32| and ||g - g32|| / ||g32|| (Frobenius). Then every kdjax layout as a
-store writes it (the dictionary layout's per-row id order included): bytes per position of all
+store writes it (the dictionary layout's per-row id order included), and the compact store
+recoded to the dictionary layout (`python -m kdjax.cache recode`): bytes per position of all
 arrays, and the errors of what the store reads back on several blocks of rows.
 `--join N` makes rows of N cache rows (a dictionary's order is per row, so row length matters).
 Prints markdown tables; writes nothing outside --out.
@@ -35,6 +36,7 @@ import tensorstore as ts
 
 from kdjax import cache
 from kdjax.cache import layout
+from kdjax.cache import recode
 from kdjax.loss import topk_kl
 
 OBJECTIVES = ("sparse", "tail", "renorm")
@@ -313,12 +315,18 @@ def main():
     print(f"\n| kdjax store | B/pos on disk (all arrays, metadata) | top-k arrays B/pos | "
           f"rel. err loss, block 0 | RMS over {len(blocks)} blocks | grad hidden, block 0 | "
           f"grad lm_head, block 0 | RMS over blocks |\n|---|---|---|---|---|---|---|---|")
-    for layout_name in layout.LAYOUTS:
-      path = os.path.join(out, f"store_{layout_name}")
+    # Each layout written from the float32 rows, then the compact store recoded to the
+    # dictionary layout (`python -m kdjax.cache recode`: its log-probs rounded twice).
+    for layout_name in (*layout.LAYOUTS, "dictionary, recoded from compact"):
+      path = os.path.join(out, f"store_{layout_name.split(',')[0]}"
+                          f"{'' if layout_name in layout.LAYOUTS else '_recoded'}")
       shutil.rmtree(path, ignore_errors=True)
-      store = cache.create(path, num_seqs=num_rows, seq_len=seq_len, k=k, vocab_size=vocab,
-                           attrs={}, layout=layout_name, region_rows=region_rows)
-      store.write(0, {name: rows[name] for name in store.dtypes if name in rows})
+      if layout_name in layout.LAYOUTS:
+        store = cache.create(path, num_seqs=num_rows, seq_len=seq_len, k=k, vocab_size=vocab,
+                             attrs={}, layout=layout_name, region_rows=region_rows)
+        store.write(0, {name: rows[name] for name in store.dtypes if name in rows})
+      else:
+        store = recode.recode(os.path.join(out, "store_compact"), path, "dictionary")
       sizes = {name: sum(os.path.getsize(os.path.join(root, f)) for root, _, names
                          in os.walk(os.path.join(path, name)) for f in names)
                for name in os.listdir(path)}
