@@ -1,4 +1,5 @@
-"""A finished store written again in another layout: `python -m kdjax.cache recode SRC DST --layout L`.
+"""A finished store written again in another layout (`python -m kdjax.cache recode SRC DST
+--layout L`).
 
 A cache written compact (or packed) shrinks to the dictionary layout without running the teacher
 again (layout.py). The rows are read and decoded, then written as store.write writes any rows
