@@ -111,8 +111,8 @@ def _holds_top_k(path: str, k: int, layout: str, teacher_hash: str, hidden_dim: 
     store = cache.open(path, k=k)
   except cache.CacheError:
     return False  # none, incomplete or otherwise unfit: write_cache resumes it or says why
-  data = {key: value for key, value in data_store.attrs.items() if key != "created"}
-  if not (store.attrs.get("teacher_hash") == teacher_hash and store.attrs.get("data") == data
+  if not (store.attrs.get("teacher_hash") == teacher_hash
+          and store.attrs.get("data") == teacher.data_attrs(data_store)
           and (store.hidden_dim == hidden_dim or not hidden_dim)):
     return False
   if store.k > k or store.layout != layout:

@@ -197,6 +197,12 @@ def _hidden_states(graphdef, state, tokens_BxT, positions_BxT, segment_ids_BxT, 
   return nnx.merge(graphdef, state)(tokens_BxT, positions_BxT, segment_ids_BxT, max_documents)
 
 
+def data_attrs(data_store) -> dict:
+  """What a cache records of the rows it was written on (its attribute "data"): the data store's
+  attributes but their creation time."""
+  return {key: value for key, value in data_store.attrs.items() if key != "created"}
+
+
 def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, vocab_size, attrs,
                 layout="float32", rank=0, world=1, region_rows=None, hidden_dim=0, mesh=None,
                 writers=0, before_region=lambda: None, max_documents=None):
@@ -239,8 +245,7 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
     raise cache.CacheError(f"cache.k = {k} must lie in 1..{vocab_size}, the vocabulary size: the "
                            f"teacher has only {vocab_size} tokens to rank. Set --config.cache.k "
                            f"to at most {vocab_size}; nothing was written to {cache_path}.")
-  attrs = {**attrs, "data": {key: value for key, value in data_store.attrs.items()
-                             if key != "created"}}
+  attrs = {**attrs, "data": data_attrs(data_store)}
   projection_DxH = None
   if hidden_dim and hidden_dim != width:
     attrs["hidden_projection"] = {"from_width": width, "seed": HIDDEN_PROJECTION_SEED,

@@ -95,6 +95,19 @@ def loss_and_grads(hidden, lm_head, ids, logprobs, mask, objective):
   return jax.value_and_grad(fn, argnums=(0, 1))(hidden, lm_head)
 
 
+def errors_against(reference, hidden, lm_head, ids, logprobs, mask):
+  """[loss, grad hidden, grad lm_head] relative errors of these top-k rows against `reference`
+  ({objective: loss_and_grads of the float32 rows}), each the max over OBJECTIVES."""
+  errors = np.zeros(3)
+  for obj in OBJECTIVES:
+    loss, (g_hidden, g_head) = loss_and_grads(hidden, lm_head, jnp.asarray(ids),
+                                              jnp.asarray(logprobs), mask, obj)
+    loss32, (g_hidden32, g_head32) = reference[obj]
+    errors = np.maximum(errors, [abs(float(loss) - float(loss32)) / abs(float(loss32)),
+                                 rel(g_hidden, g_hidden32), rel(g_head, g_head32)])
+  return errors
+
+
 def rel(a, b):
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
@@ -278,13 +291,7 @@ def main():
           "rel. err grad hidden | rel. err grad lm_head |")
     print("|---|---|---|---|---|---|---|")
     for name, (ids_bpp, lp_bpp, (dec_ids, dec_lp)) in encoded.items():
-      errors = np.zeros(3)
-      for obj in OBJECTIVES:
-        loss, (g_hidden, g_head) = loss_and_grads(hidden, lm_head, jnp.asarray(dec_ids[:few]),
-                                                  jnp.asarray(dec_lp[:few]), mask, obj)
-        loss32, (g_hidden32, g_head32) = reference[obj]
-        errors = np.maximum(errors, [abs(float(loss) - float(loss32)) / abs(float(loss32)),
-                                     rel(g_hidden, g_hidden32), rel(g_head, g_head32)])
+      errors = errors_against(reference, hidden, lm_head, dec_ids[:few], dec_lp[:few], mask)
       print(f"| {name} | {ids_bpp:.1f} | {lp_bpp:.1f} | {ids_bpp + lp_bpp:.1f} | {errors[0]:.1e} | "
             f"{errors[1]:.1e} | {errors[2]:.1e} |", flush=True)
 
@@ -335,13 +342,8 @@ def main():
       for block, (hidden, lm_head), reference, errs in zip(blocks, students, references, errors):
         back = store.read(block)
         assert np.array_equal(back["topk_ids"], full["topk_ids"][block]), layout_name
-        for obj in OBJECTIVES:
-          loss, (g_hidden, g_head) = loss_and_grads(
-              hidden, lm_head, jnp.asarray(back["topk_ids"]),
-              jnp.asarray(back["topk_logprobs"]), jnp.asarray(back["loss_mask"]), obj)
-          loss32, (g_hidden32, g_head32) = reference[obj]
-          errs[:] = np.maximum(errs, [abs(float(loss) - float(loss32)) / abs(float(loss32)),
-                                      rel(g_hidden, g_hidden32), rel(g_head, g_head32)])
+        errs[:] = errors_against(reference, hidden, lm_head, back["topk_ids"],
+                                 back["topk_logprobs"], jnp.asarray(back["loss_mask"]))
       rms = np.sqrt(np.mean(errors ** 2, axis=0))
       print(f"| {layout_name} | {sum(sizes.values()) / positions:.1f} | "
             f"{topk / positions:.1f} | {errors[0, 0]:.1e} | {rms[0]:.1e} | {errors[0, 1]:.1e} | "

@@ -63,6 +63,15 @@ def spec(num_seqs, seq_len, k, vocab_size, attrs, layout_name, region_rows, hidd
   return {**attrs, **out}
 
 
+def identity(attrs):
+  """What a store holds (teacher, tokenizer, data, ...): its attributes less those spec() derives
+  from its shape and layout and those of its creation."""
+  derived = spec(attrs["num_seqs"], attrs["seq_len"], attrs["k"], attrs["vocab_size"], {},
+                 attrs["layout"], attrs["region_rows"], attrs.get("hidden_dim", 0))
+  return {key: value for key, value in attrs.items()
+          if key not in derived and key not in _UNCHECKED_KEYS}
+
+
 def differences(a, b):
   """{key: (a's, b's)} of the keys that differ, but for those that differ between runs."""
   keys = sorted((set(a) | set(b)) - set(_UNCHECKED_KEYS))

@@ -177,8 +177,7 @@ def dictionary_decode(codes_SxTxK, order_SxM, vocab_size):
   ids = np.empty(codes_SxTxK.shape, np.int32)
   for row, (codes_TxK, order_M) in enumerate(zip(codes_SxTxK, order_SxM)):
     # mode "clip": numpy buffers `out` under "raise"; the codes were checked < vocab_size.
-    np.take(_table(order_M.astype(np.int64), vocab_size).astype(np.int32), codes_TxK,
-            out=ids[row], mode="clip")
+    np.take(_table(order_M, vocab_size).astype(np.int32), codes_TxK, out=ids[row], mode="clip")
   return ids
 
 

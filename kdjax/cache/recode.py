@@ -17,9 +17,6 @@ from kdjax.cache import attributes
 from kdjax.cache.errors import CacheError
 from kdjax.cache.opening import create, open as open_store
 
-# Keys of a store's attributes that describe its own encoding, not what it holds.
-_OWN = ("created", attributes.CHECKSUM)
-
 
 def recode(src_path, dst_path, layout):
   """Writes (or resumes) at dst_path the rows of the finished store at src_path in `layout`;
@@ -29,13 +26,9 @@ def recode(src_path, dst_path, layout):
   if src.k == 0:
     raise CacheError(f"{src_path} holds no teacher outputs (k = 0): a data store has no top-k "
                      f"layout to change.")
-  own = set(_OWN)
-  for name in (src.layout, layout):  # every key a spec of either layout sets
-    own |= set(attributes.spec(src.num_seqs, src.seq_len, src.k, src.vocab_size, {}, name,
-                               src.region_rows, src.hidden_dim))
-  identity = {key: value for key, value in src.attrs.items() if key not in own}
   dst = create(dst_path, num_seqs=src.num_seqs, seq_len=src.seq_len, k=src.k,
-               vocab_size=src.vocab_size, attrs={**identity, "recoded_from": src.layout},
+               vocab_size=src.vocab_size,
+               attrs={**attributes.identity(src.attrs), "recoded_from": src.layout},
                layout=layout, region_rows=src.region_rows, hidden_dim=src.hidden_dim)
   todo = dst.missing()
   with dst.writer_lock(0), tqdm(total=sum(b - a for a, b in todo) * src.seq_len, unit="pos",
