@@ -9,6 +9,11 @@ one warm-up batch, and the same number of reads without the prefetch thread. Pri
 (positions of teacher data decoded, checked and handed over as numpy arrays per second), and bytes
 per position on disk. The page cache is not dropped: a second run reads from memory; compare with
 `--cold`, which evicts the store's files first (posix_fadvise DONTNEED, no root needed).
+
+    python experiments/bench/cache_read_bench.py --compare-writes compact,packed,dictionary --vocab 128256
+
+times only the writer: the same float32 rows (a teacher's output) written into a store of each
+layout, the layouts interleaved round after round.
 """
 import argparse
 import os
@@ -22,22 +27,50 @@ from kdjax.cache import layout
 from kdjax.cache import store as store_lib
 
 
+def synthetic_rows(rng, n, seq_len, k, vocab):
+  """n rows as a teacher hands them over: Zipf-distributed ids, descending float32 log-probs
+  with a realistic spread."""
+  ids = (rng.zipf(1.2, (n, seq_len, k)) - 1) % vocab
+  logprobs = -np.cumsum(rng.exponential(0.12, (n, seq_len, k)), -1) - rng.exponential(1, (n, seq_len, 1))
+  segment_ids = np.ones((n, seq_len), np.int32)
+  return {"tokens": rng.integers(0, vocab, (n, seq_len), dtype=np.int32),
+          "segment_ids": segment_ids,
+          "positions": np.tile(np.arange(seq_len, dtype=np.int32), (n, 1)),
+          "loss_mask": segment_ids > 0, "topk_ids": ids.astype(np.int32),
+          "topk_logprobs": logprobs.astype(np.float32)}
+
+
 def build(path, rows, seq_len, k, vocab, layout):
-  """Synthetic rows: Zipf-distributed ids, descending log-probs with a realistic spread."""
+  """A store of synthetic_rows (built once; reused when present)."""
   store = cache.create(path, num_seqs=rows, seq_len=seq_len, k=k, vocab_size=vocab,
                        attrs={"source": "synthetic", "teacher": "synthetic"}, layout=layout)
   rng = np.random.default_rng(0)
   for start, stop in store.missing():
-    n = stop - start
-    ids = (rng.zipf(1.2, (n, seq_len, k)) - 1) % vocab
-    logprobs = -np.cumsum(rng.exponential(0.12, (n, seq_len, k)), -1) - rng.exponential(1, (n, seq_len, 1))
-    segment_ids = np.ones((n, seq_len), np.int32)
-    store.write(start, {"tokens": rng.integers(0, vocab, (n, seq_len), dtype=np.int32),
-                        "segment_ids": segment_ids,
-                        "positions": np.tile(np.arange(seq_len, dtype=np.int32), (n, 1)),
-                        "loss_mask": segment_ids > 0, "topk_ids": ids.astype(np.int32),
-                        "topk_logprobs": logprobs.astype(np.float32)})
+    store.write(start, synthetic_rows(rng, stop - start, seq_len, k, vocab))
   return cache.open(path)
+
+
+def compare_writes(directory, layouts, rounds, rows, seq_len, k, vocab):
+  """{layout: [positions/s of each round]}: store.write of the same float32 rows into a store of
+  each layout, the layouts interleaved round after round (so a busy moment of the machine falls
+  on all of them), one region of `rows` rows, after one warm-up write each."""
+  batch = synthetic_rows(np.random.default_rng(1), rows, seq_len, k, vocab)
+  stores = {}
+  for name in layouts:
+    path = os.path.join(directory, f"write_{name}")
+    shutil.rmtree(path, ignore_errors=True)
+    stores[name] = cache.create(path, num_seqs=rows, seq_len=seq_len, k=k, vocab_size=vocab,
+                                attrs={}, layout=name, region_rows=rows)
+    stores[name].write(0, batch)
+  rates = {name: [] for name in layouts}
+  for _ in range(rounds):
+    for name, store in stores.items():
+      start = time.perf_counter()
+      store.write(0, batch)
+      rates[name].append(rows * seq_len / (time.perf_counter() - start))
+  for name in layouts:
+    shutil.rmtree(os.path.join(directory, f"write_{name}"))
+  return rates
 
 
 def evict(path):
@@ -65,7 +98,22 @@ def main():
   parser.add_argument("--batches", type=int, default=24, help="batches timed")
   parser.add_argument("--workers", type=int, default=None, help="Loader threads (default: its own)")
   parser.add_argument("--cold", action="store_true", help="evict the files from the page cache first")
+  parser.add_argument("--compare-writes", default="", metavar="L1,L2,...",
+                      help="only time store.write of the same rows in each of these layouts, "
+                           "interleaved (--write-rounds rounds of --batch-size rows), and stop")
+  parser.add_argument("--write-rounds", type=int, default=12, help="rounds of --compare-writes")
   args = parser.parse_args()
+
+  if args.compare_writes:
+    layouts = args.compare_writes.split(",")
+    rates = compare_writes(args.dir, layouts, args.write_rounds, args.batch_size, args.seq_len,
+                           args.k, args.vocab)
+    first = np.median(rates[layouts[0]])
+    for name in layouts:
+      print(f"store.write of {args.batch_size} x {args.seq_len}, V {args.vocab}, {name}: median "
+            f"{np.median(rates[name]):,.0f} positions/s ({np.median(rates[name]) / first:.2f}x "
+            f"{layouts[0]}); rounds: {', '.join(f'{r / 1e3:.0f}k' for r in rates[name])}")
+    return
 
   path = os.path.join(args.dir, f"{args.layout}_{args.rows}x{args.seq_len}_k{args.k}_v{args.vocab}")
   start = time.perf_counter()

@@ -97,7 +97,13 @@ def array_metadata(name, shape, dtype, region_rows, layout="float32"):
   # SmolLM2's 8K rows 2% smaller and zstd 1.8x faster than byte shuffle; on Zipf ids of 128256
   # (a far more spread teacher: 75K distinct ids a row against 15K) 4% larger, 2.6x faster.
   bits = name == "topk_ids" and layout in ("float32", "compact", "dictionary")
-  return zarr_metadata(shape, dtype, region_rows, shuffle="bitshuffle" if bits else None)
+  # The dictionary's arrays take lower zstd levels than the other layouts' (blosc clevel c is
+  # zstd level 2c - 1): on SmolLM2's 8K rows its log-prob gaps at clevel 2 store 1.9 B per
+  # position more than at 5 for a quarter of zstd's time, its codes at 4 0.3 B more for 0.75 of
+  # it, so its writer outpaces compact's (experiments/bench/cache_read_bench.py --compare-writes).
+  clevel = {"topk_logprobs": 2, "topk_ids": 4}.get(name, 5) if layout == "dictionary" else 5
+  return zarr_metadata(shape, dtype, region_rows, shuffle="bitshuffle" if bits else None,
+                       clevel=clevel)
 
 
 def zarr_metadata(shape, dtype, region_rows, *, shuffle=None, clevel=5):
