@@ -1,5 +1,7 @@
 """Sequence stores: round trips, crash-safety records, boundary checks, the loader."""
+import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -150,22 +152,44 @@ def test_an_id_past_the_vocabulary_on_disk_is_refused_at_read(tmp_path, layout_n
 
 def test_stores_of_the_earlier_layouts_still_open_and_read_the_same(make_rows, take):
   """float32 and compact stores written by the code before the packed layout (main at 9c93f6d),
-  a packed one by the code before the dictionary layout (main at 5d326b3;
-  tests/fixtures/old_caches/make.py) open and read the rows they were written with."""
+  a packed one by the code before the dictionary layout (main at 5d326b3), a dictionary one by
+  the code before its zstd levels changed (main at 7820aab; tests/fixtures/old_caches/make.py)
+  open and read the rows they were written with."""
   rows = make_rows(np.random.default_rng(0), 10)
-  for name in ("float32", "compact", "packed"):
+  for name in ("float32", "compact", "packed", "dictionary"):
     store = cache.open(os.path.join(OLD_CACHES, f"{name}.zarr"), vocab_size=V, k=K, seq_len=T)
-    assert store.layout == name and ("prob_offset" in store.attrs) == (name == "packed")
+    assert store.layout == name
+    assert ("prob_offset" in store.attrs) == (name in ("packed", "dictionary"))
     got = store.read(slice(0, 10))
     for key, want in rows.items():
       if name == "compact" and key == "topk_logprobs":
         assert np.abs(got[key] - want).max() <= layout.LOGPROB_SCALE / 2 + 1e-5
-      elif name == "packed" and key == "topk_logprobs":
+      elif name in ("packed", "dictionary") and key == "topk_logprobs":
         p, back = np.exp(want.astype(np.float64)), np.exp(got[key])
         s, p0 = layout.PACKED_SCALE, layout.PACKED_OFFSET
         assert np.all(np.abs(back - p) <= (p + p0) * np.expm1(0.502 * s) + 1e-7 * p)
       else:
         np.testing.assert_array_equal(got[key], want)
+
+
+def test_a_store_resumed_keeps_the_codecs_it_was_created_with(tmp_path, make_rows, new_store,
+                                                              take):
+  """Writing into a store made by earlier code uses the metadata on disk, not today's defaults:
+  the old dictionary store's log-probs keep blosc clevel 5 (new ones take 2), and the region
+  rewritten reads back as it was written."""
+  path = tmp_path / "old.zarr"
+  shutil.copytree(os.path.join(OLD_CACHES, "dictionary.zarr"), path)
+  clevel = lambda store_path: json.loads((store_path / "topk_logprobs" / "zarr.json").read_text())[
+      "codecs"][0]["configuration"]["codecs"][1]["configuration"]["clevel"]
+  want = cache.open(path).read(slice(0, 10))
+  new_store(path, layout_name="dictionary").write(4, take(make_rows(np.random.default_rng(0), 10),
+                                                          slice(4, 8)))
+  assert clevel(path) == 5
+  new_store(tmp_path / "new", layout_name="dictionary")
+  assert clevel(tmp_path / "new") == 2
+  got = cache.open(path).read(slice(0, 10))
+  for key in want:
+    np.testing.assert_array_equal(got[key], want[key])
 
 
 def test_unaligned_writes_complete_regions(tmp_path, make_rows, new_store, take):

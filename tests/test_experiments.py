@@ -98,6 +98,21 @@ def test_cache_read_bench_tiny(tmp_path):
               "--batches", "2"])
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "tokens/s" in proc.stdout, proc.stdout
+  proc = run(["experiments/bench/cache_read_bench.py", "--dir", str(tmp_path), "--seq-len", "64",
+              "--k", "4", "--vocab", "70000", "--batch-size", "2", "--write-rounds", "2",
+              "--compare-writes", "compact,dictionary"])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = proc.stdout.splitlines()
+  assert len(lines) == 2 and "(1.00x compact)" in lines[0] and "dictionary" in lines[1], lines
+
+
+def test_cache_codecs_tiny():
+  proc = run(["experiments/studies/cache_codecs.py", "--synthetic-vocab", "500", "--rows", "2",
+              "--seq-len", "32"])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [line for line in proc.stdout.splitlines() if line.startswith("| topk_")]
+  assert len(rows) == 14 and sum("(the layout's)" in line for line in rows) == 2, proc.stdout
+  assert "topk_order [2, 500]" in proc.stdout, proc.stdout
 
 
 def test_documents_per_row_windows():

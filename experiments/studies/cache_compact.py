@@ -223,19 +223,13 @@ def id_codings(ids, vocab, out, region_rows):
     print(f"| {name} | {value:.1f} |")
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_teacher_arguments(parser):
+  """The teacher's rows: a float32 cache (--cache, --rows, --join, --allow-partial) or the
+  synthetic teacher (--synthetic-vocab, --rows, --seq-len, --overlap); see teacher_rows."""
   parser.add_argument("--cache", default="", help="float32 teacher cache; empty: synthetic teacher")
   parser.add_argument("--rows", type=int, default=256, help="rows of the cache to use")
-  parser.add_argument("--dim", type=int, default=64, help="random student's width D")
-  parser.add_argument("--students", default="random,near",
-                      help="comma-separated: random (start of training), near (late; D = V); "
-                           "empty: bytes only")
-  parser.add_argument("--out", default="", help="scratch directory (default: a temporary one)")
   parser.add_argument("--allow-partial", action="store_true",
                       help="read the finished regions of a cache still being written")
-  parser.add_argument("--stores-only", action="store_true",
-                      help="only the kdjax stores' table (no candidate encodings, no id codings)")
   parser.add_argument("--join", type=int, default=1,
                       help="join this many rows of --cache into one (longer rows, as a long "
                            "context run stores them)")
@@ -244,23 +238,40 @@ def main():
   parser.add_argument("--seq-len", type=int, default=128, help="synthetic rows' positions")
   parser.add_argument("--overlap", type=float, default=0.4,
                       help="synthetic: chance an entry keeps the previous position's id")
+
+
+def teacher_rows(args):
+  """(rows, vocab, description) of add_teacher_arguments' teacher."""
+  if not args.cache:
+    rows, vocab = synthetic(args.rows, args.seq_len, 100, args.synthetic_vocab,
+                            overlap=args.overlap)
+    return rows, vocab, (f"synthetic teacher (Zipf ids with a Markov drift, overlap "
+                         f"{args.overlap}), V={vocab}")
+  rows, vocab, source = read_rows(args.cache, args.rows, args.allow_partial)
+  if args.join > 1:  # rows of join x T positions: a row's dictionary order sees them all
+    n = len(rows["tokens"]) // args.join * args.join
+    rows = {name: arr[:n].reshape((n // args.join, -1) + arr.shape[2:])
+            for name, arr in rows.items()}
+    source += f", rows joined {args.join} at a time"
+  return rows, vocab, source
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  add_teacher_arguments(parser)
+  parser.add_argument("--dim", type=int, default=64, help="random student's width D")
+  parser.add_argument("--students", default="random,near",
+                      help="comma-separated: random (start of training), near (late; D = V); "
+                           "empty: bytes only")
+  parser.add_argument("--out", default="", help="scratch directory (default: a temporary one)")
+  parser.add_argument("--stores-only", action="store_true",
+                      help="only the kdjax stores' table (no candidate encodings, no id codings)")
   parser.add_argument("--loss-positions", type=int, default=4096,
                       help="errors on the first rows holding this many positions (the near "
                            "student is [positions, V] float32)")
   args = parser.parse_args()
 
-  if args.cache:
-    rows, vocab, source = read_rows(args.cache, args.rows, args.allow_partial)
-    if args.join > 1:  # rows of join x T positions: a row's dictionary order sees them all
-      n = len(rows["tokens"]) // args.join * args.join
-      rows = {name: arr[:n].reshape((n // args.join, -1) + arr.shape[2:])
-              for name, arr in rows.items()}
-      source += f", rows joined {args.join} at a time"
-  else:
-    rows, vocab = synthetic(args.rows, args.seq_len, 100, args.synthetic_vocab,
-                            overlap=args.overlap)
-    source = (f"synthetic teacher (Zipf ids with a Markov drift, overlap {args.overlap}), "
-              f"V={vocab}")
+  rows, vocab, source = teacher_rows(args)
   ids, logprobs = rows["topk_ids"], rows["topk_logprobs"]
   num_rows, seq_len, k = ids.shape
   positions = num_rows * seq_len
