@@ -39,8 +39,9 @@ def long_context(seq_len: int, workdir: str, variant: str):
   llama_8b_teacher(c)
   llama_3b_student(c)
   c.cache.k = 100
-  # Ids coded per row by their frequency, packed's log-probs: on SmolLM2's 8K rows 227 B/pos
-  # against compact's 285, half its gradient error (BENCHMARKS.md, "The dictionary layout").
+  # Ids coded per row by their frequency, packed's log-probs: on SmolLM2's 8K rows 229 B/pos
+  # against compact's 285, half its gradient error, written 1.6x faster (BENCHMARKS.md, "The
+  # dictionary layout").
   c.cache.layout = "dictionary"
   c.cache.batch_size = 1
   c.cache.chunk_size = 4096
