@@ -63,7 +63,8 @@ def opt_group(**overrides) -> ml_collections.ConfigDict:
   # the fullest row's of the whole cache (one compiled program per run), or "micro_batch", its
   # own (at most log2(T) + 1 programs, compiled as they first occur; cuDNN's packed backward
   # costs calls x documents x T, so rows of few documents pay less where some rows hold many:
-  # experiments/studies/documents_per_row.py).
+  # experiments/studies/documents_per_row.py). On 8K rows as real code packs, "micro_batch"
+  # measured 0.4% faster per step and 35 s more compiling (BENCHMARKS.md, ninth session).
   g.documents_bound = "store"
   # Device memory the step may plan for, GiB: the model group's remat "auto" picks the fastest
   # policy that fits it (kdjax/remat_auto.py). 0: what JAX may allocate on the device.
