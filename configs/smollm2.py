@@ -37,7 +37,10 @@ def get_config(variant: str = ""):
                    param_dtype="float32")
   c.init.from_teacher = True
   c.cache.k = 100
-  c.cache.layout = "compact"
+  # Ids coded per row by their frequency (layout.py): on the H200 the stage wrote this
+  # teacher's 62M positions at 229.7 B/pos in 99.0 s, compact at 282.2 in 105.6 s
+  # (experiments/bench/cache_stage_bench.py, BENCHMARKS.md, ninth session).
+  c.cache.layout = "dictionary"
   c.cache.batch_size = 32
   c.cache.chunk_size = 512
   # 64 rows of 2048 = 131K tokens per step; 382 steps = 50M tokens. One learning rate for every

