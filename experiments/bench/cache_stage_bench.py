@@ -11,8 +11,8 @@ included.
    call); any earlier cache and compiled programs under OUT/run are removed first, so the stage
    writes it whole and compiles as a first run does.
 3. The stage's wall time from OUT/run/stages.jsonl, the positions written (both splits), the
-   cache's layout and bytes per position on disk, the teacher's own log lines (rate per split, writes left after the last batch); one line appended
-   to --results.
+   cache's layout and bytes per position on disk, the teacher's own log lines (rate per split,
+   writes left after the last batch); one line appended to --results.
 """
 import argparse
 import datetime
@@ -26,6 +26,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+import cache_read_bench  # noqa: E402  (this folder: disk_bytes)
 from kdjax import cache  # noqa: E402
 
 
@@ -76,8 +77,7 @@ def main():
   stores = {split: cache.open(os.path.join(run, "cache", f"{split}.zarr"))
             for split in ("train", "eval")}
   positions = {split: store.num_seqs * store.seq_len for split, store in stores.items()}
-  disk = sum(os.path.getsize(os.path.join(root, name))
-             for root, _, names in os.walk(os.path.join(run, "cache")) for name in names)
+  disk = cache_read_bench.disk_bytes(os.path.join(run, "cache"))
   teacher_lines = [line.split("] ", 1)[-1] for line in log.splitlines()
                    if re.search(r"teacher \d+/\d+: \d+ positions in", line)]
   result = {

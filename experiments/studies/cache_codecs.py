@@ -20,12 +20,12 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # cache_compact; kdjax
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # siblings; kdjax
 
 import numpy as np  # noqa: E402
-import tensorstore as ts  # noqa: E402
 
 import cache_compact  # noqa: E402
+import cache_floor  # noqa: E402
 from kdjax.cache import layout  # noqa: E402
 
 # (shuffle, clevel) choices tried for each array: the stores' settings before and after, and
@@ -38,19 +38,13 @@ CHOICES = {"topk_logprobs": [("shuffle", c) for c in (5, 4, 3, 2, 1)] + [("bitsh
 
 def write_once(arr, path, region_rows, shuffle, clevel, repeats=3):
   """(bytes on disk, best seconds of `repeats` writes) of arr as a store's array, one thread."""
-  meta = layout.zarr_metadata(arr.shape, arr.dtype.name, region_rows, shuffle=shuffle,
-                              clevel=clevel)
-  array = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path},
-                   "metadata": meta, "context": {"data_copy_concurrency": {"limit": 1}}},
-                  create=True, delete_existing=True).result()
+  array = cache_floor.store_array(arr, path, region_rows, shuffle, clevel, threads=1)
   best = float("inf")
   for _ in range(repeats):
     start = time.perf_counter()
     array.write(arr).result()
     best = min(best, time.perf_counter() - start)
-  size = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path)
-             for name in names if name != "zarr.json")
-  return size, best
+  return cache_floor.array_bytes(path), best
 
 
 def main():

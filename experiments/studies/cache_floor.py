@@ -276,15 +276,28 @@ def decode_speed(ids, n, last):
                          timings.items()) + " (one thread)")
 
 
-def stored_bytes(arr, path, region_rows, shuffle, clevel=5):
-  """Bytes of arr [S, ...] written at path as a store writes an array (row-sharded zarr v3, blosc
-  zstd at level clevel, crc32c), metadata aside."""
+def store_array(arr, path, region_rows, shuffle, clevel=5, threads=None):
+  """A new empty array at path shaped as arr [S, ...], as a store writes one (row-sharded zarr
+  v3, blosc zstd at level clevel, crc32c); threads: tensorstore's encoding threads (default its
+  own)."""
   meta = layout.zarr_metadata(arr.shape, arr.dtype.name, region_rows, shuffle=shuffle,
                               clevel=clevel)
-  ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}, "metadata": meta},
-          create=True, delete_existing=True).result().write(arr).result()
+  spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path}, "metadata": meta}
+  if threads:
+    spec["context"] = {"data_copy_concurrency": {"limit": threads}}
+  return ts.open(spec, create=True, delete_existing=True).result()
+
+
+def array_bytes(path):
+  """Bytes of the array at path on disk, metadata aside."""
   return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(path)
              for name in names if name != "zarr.json")
+
+
+def stored_bytes(arr, path, region_rows, shuffle, clevel=5):
+  """Bytes of arr [S, ...] written at path as a store writes an array, metadata aside."""
+  store_array(arr, path, region_rows, shuffle, clevel).write(arr).result()
+  return array_bytes(path)
 
 
 def store_sizer(out, region_rows):
