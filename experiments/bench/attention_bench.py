@@ -1,7 +1,8 @@
 """Attention alone, forward and backward, on the student's heads: where does its time go?
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python experiments/bench/attention_bench.py \
-        [--seq-len 8192 --rows 2 --docs 4] [--bound M] \
+        [--seq-len 8192 --rows 2 --docs 4] [--bound M] [--docs-per-call N] \
+        [--ways packed,row_causal] \
         [--results experiments/results/attention.jsonl]
 
 One process, one shape (Llama-3.2-3B's heads: H 24, G 8, E 128, bf16), several ways of computing
@@ -109,6 +110,11 @@ def main():
   p.add_argument("--bound", type=int, default=0,
                  help="the packed ways' documents bound (0: the batch's own, as a per-batch "
                       "bound; a run takes its whole cache's, e.g. 64 where one row holds 33)")
+  p.add_argument("--docs-per-call", type=int, default=0,
+                 help="the packed ways' documents per cuDNN call (0: kdjax's "
+                      "attention.documents_per_call, sized to cuDNN's workspace)")
+  p.add_argument("--ways", default="",
+                 help="comma-separated names of the ways to time (default: all)")
   p.add_argument("--results", default="")
   args = p.parse_args()
   b, t, m = args.rows, args.seq_len, args.docs
@@ -125,7 +131,8 @@ def main():
 
   def packed(segment_ids):
     s = jnp.asarray(segment_ids)
-    return lambda q, k, v: attn.attention(q, k, v, s, impl="cudnn", max_documents=bound)
+    return lambda q, k, v: attn.attention_cudnn(q, k, v, s, bound,
+                                                docs_per_call=args.docs_per_call or None)
 
   def plain(segment_ids):
     s = jnp.asarray(segment_ids)
@@ -141,8 +148,11 @@ def main():
   commit = e2e_bench.commit()
   device = str(jax.devices()[0].device_kind)
   for i, (name, f, shape, n) in enumerate(ways):
+    if args.ways and name not in args.ways.split(","):
+      continue
     row = measure(name, f, shape, n, i)
     row.update(docs=m, bound=bound, heads=[H, G, E], commit=commit, device=device,
+               docs_per_call=args.docs_per_call or attn.documents_per_call(b, t, bound),
                date=e2e_bench.today(), mean_context=n / (b * t))
     e2e_bench.record(row, args.results)
 
