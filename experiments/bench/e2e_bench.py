@@ -409,6 +409,7 @@ def main():
   result.update(name=args.name, config=getattr(args, "config", ""), overrides=args.set,
                 mem_fraction=float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]),
                 allocator=os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", ""),
+                xla_flags=os.environ.get("XLA_FLAGS", ""),
                 commit=commit(), date=today(), device=str(jax.devices()[0].device_kind))
   record(result, args.json)
 
