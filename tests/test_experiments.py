@@ -115,6 +115,14 @@ def test_cache_codecs_tiny():
   assert "topk_order [2, 500]" in proc.stdout, proc.stdout
 
 
+def test_step_floor_from_the_committed_results():
+  """experiments/studies/step_floor.py on the results committed for configs/128k.py: the floor
+  of remat full and of the layers that fit kept whole, each against the target."""
+  proc = run(["experiments/studies/step_floor.py"])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "floor, remat full: matmuls" in proc.stdout and "layers kept whole" in proc.stdout
+
+
 def test_documents_per_row_windows():
   """Each document in the smallest window of the ladder that holds it; the rest in the row."""
   sys.path.insert(0, os.path.join(ROOT, "experiments", "studies"))
