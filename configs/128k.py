@@ -4,7 +4,7 @@
         --config.data.tokenizer=PATH --config.data.source=data.jsonl
 
 Needs and prints what configs/8k.py does (one H200). remat auto takes "full" here (the only
-policy that fits; its planning ~3 min); one 128K row per micro-batch, 8.97 s each on the H200
+policy that fits; its planning ~3 min); one 128K row per micro-batch, 9.0-9.3 s each on the H200
 (BENCHMARKS.md, "Current numbers"). CPU variant: --config=configs/128k.py:smoke
 """
 from kdjax import recipes
