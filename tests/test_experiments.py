@@ -10,6 +10,7 @@ import os
 import py_compile
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -121,6 +122,20 @@ def test_step_floor_from_the_committed_results():
   proc = run(["experiments/studies/step_floor.py"])
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "floor, remat full: matmuls" in proc.stdout and "layers kept whole" in proc.stdout
+
+
+def test_step_floor_counts_by_hand():
+  """floor() on a one-layer model of width 2 (28 matmul parameters a layer, lm_head 2), one
+  token at 1 FLOP/s: fwd 2 + bwd 4 FLOPs per parameter, 2 more where the policy reruns them."""
+  sys.path.insert(0, os.path.join(ROOT, "experiments", "studies"))
+  import step_floor
+  cfg = types.SimpleNamespace(d_model=2, n_heads=1, head_dim=2, n_kv_heads=1, d_ff=2,
+                              n_layers=1, output_vocab_size=1)
+  assert step_floor.floor(cfg, "full", 3, 1, 1.0, 10.0, 100.0) == (8 * 28 + 12, 3 * 110.0)
+  assert step_floor.floor(cfg, "full", 3, 1, 1.0, 10.0, 100.0, whole_layers=1) == (
+      6 * 28 + 12, 3 * 100.0)
+  assert step_floor.floor(cfg, "dots", 1, 1, 1.0, 10.0, 100.0) == (6 * 28 + 12, 110.0)
+  assert step_floor.floor(cfg, "dots_attention", 1, 1, 1.0, 10.0, 100.0) == (6 * 28 + 12, 100.0)
 
 
 def test_documents_per_row_windows():
