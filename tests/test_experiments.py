@@ -121,21 +121,29 @@ def test_step_floor_from_the_committed_results():
   of remat full and of the layers that fit kept whole, each against the target."""
   proc = run(["experiments/studies/step_floor.py"])
   assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "floor, remat full: matmuls" in proc.stdout and "layers kept whole" in proc.stdout
+  assert "floor, remat full, as measured:" in proc.stdout and "layers kept whole" in proc.stdout
 
 
 def test_step_floor_counts_by_hand():
-  """floor() on a one-layer model of width 2 (28 matmul parameters a layer, lm_head 2), one
-  token at 1 FLOP/s: fwd 2 + bwd 4 FLOPs per parameter, 2 more where the policy reruns them."""
+  """floor() on a one-layer model of width 2 (28 matmul parameters a layer, lm_head 2, 32 in
+  all), one token at 1 FLOP/s and 1 B/s: matmuls fwd 2 + bwd 4 FLOPs a parameter, 2 more where
+  the policy reruns them; elementwise 34 + 34 elements of 2 bytes, the forward's again under
+  remat; AdamW 28 bytes a parameter."""
   sys.path.insert(0, os.path.join(ROOT, "experiments", "studies"))
   import step_floor
   cfg = types.SimpleNamespace(d_model=2, n_heads=1, head_dim=2, n_kv_heads=1, d_ff=2,
                               n_layers=1, output_vocab_size=1)
-  assert step_floor.floor(cfg, "full", 3, 1, 1.0, 10.0, 100.0) == (8 * 28 + 12, 3 * 110.0)
-  assert step_floor.floor(cfg, "full", 3, 1, 1.0, 10.0, 100.0, whole_layers=1) == (
-      6 * 28 + 12, 3 * 100.0)
-  assert step_floor.floor(cfg, "dots", 1, 1, 1.0, 10.0, 100.0) == (6 * 28 + 12, 110.0)
-  assert step_floor.floor(cfg, "dots_attention", 1, 1, 1.0, 10.0, 100.0) == (6 * 28 + 12, 100.0)
+  assert step_floor.elementwise_elements(cfg) == (34, 34)
+  f = lambda *a, **k: step_floor.floor(cfg, *a[:2], 1, 1.0, 1.0, 10.0, 100.0, **k)
+  opt = 28 * 32
+  assert f("full", 3) == dict(matmuls=236, attention=330.0, elementwise=204, optimizer=opt)
+  assert f("full", 3, whole_layers=1) == dict(matmuls=180, attention=300.0, elementwise=136,
+                                              optimizer=opt)
+  assert f("full", 3, keep_attention=True) == dict(matmuls=236, attention=300.0,
+                                                   elementwise=204, optimizer=opt)
+  assert f("dots", 1) == dict(matmuls=180, attention=110.0, elementwise=204, optimizer=opt)
+  assert f("dots_attention", 1)["attention"] == 100.0
+  assert f("none", 1) == dict(matmuls=180, attention=100.0, elementwise=136, optimizer=opt)
 
 
 def test_documents_per_row_windows():

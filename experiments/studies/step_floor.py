@@ -1,30 +1,34 @@
 """The fastest a student step can be on one GPU, from measured kernel rates: a floor.
 
     python experiments/studies/step_floor.py [--config configs/128k.py --docs 16 \
-        --run 128k-full-profile] [--gemm-tflops 790] [--target-tokens-per-s 18000]
+        --run 128k-full-profile] [--gemm-tflops 790 --hbm-tbps 4.8] [--target-tokens-per-s 18000]
     python experiments/studies/step_floor.py --config configs/8k.py --docs 4 --run 8k \
         --target-tokens-per-s 30840
     python experiments/studies/step_floor.py --config configs/32k.py --docs 8 --run 32k \
         --target-tokens-per-s 26000
 
 The step as measured last (experiments/results/e2e.jsonl's latest line named --run: its remat
-policy, rows per micro-batch, memory). Its floor counts only the work that must run,
-each part at the best rate measured for it on the GPU, and nothing else (no norms, RoPE,
-SwiGLU, residuals, loss head softmax, optimizer, or gaps: all of them only add):
-  * the matmuls: blocks' projections forward and backward (6 N_blocks FLOPs per token; 8 where
+policy, rows per micro-batch, memory). Its floor counts only the work that must run, each part at
+the best rate measured for it on the GPU or the GPU's peak, and nothing else (no gaps, no loss
+head softmax, no gradient sums, no kernel above its best rate: all of them only add):
+  * matmuls: the blocks' projections forward and backward (6 N_blocks FLOPs per token; 8 where
     the policy recomputes them, "full"), the lm_head forward and backward (6 d V), at
     --gemm-tflops (790: what this H200's bf16 GEMMs reach, the issue's figure; the 128K
     profile's own ran at ~776);
-  * the attention: each layer's forward (twice where the policy reruns it: "full", "dots",
+  * attention: each layer's forward (twice where the policy reruns it: "full", "dots",
     "names") and its backward, at the best cuDNN time measured for the same rows alone
     (experiments/results/attention.jsonl, lines of `attention_bench.py --seq-len T --rows B
-    --docs D`, any --docs-per-call or --bound).
+    --docs D`, any --docs-per-call or --bound);
+  * elementwise: the bytes the block's norms, RoPE, SwiGLU product and residual adds must read
+    and write, each read and written once (ELEMENTWISE), forward twice under any remat policy,
+    at --hbm-tbps (4.8: the H200's HBM3e peak);
+  * optimizer: AdamW's update, 28 bytes a parameter (float32 parameter and moments read and
+    written, the bf16 gradient read and bf16 copy written), at the same peak.
 With remat "full" (the only policy whose kept values fit at 128K, kdjax/models/remat.py), also
-the floor with as many layers as fit kept whole (remat "none": no second forward) in the GPU
-memory the measured run left free, each costing at least remat.saved_bytes_per_token("none")
-per token.
-If even that floor is slower than the target, no rematerialisation mix reaches it on this GPU
-with these kernels; the script says how much faster than cuDNN's the attention would have to run.
+the best mix the GPU memory the measured run left free could hold: layers kept whole (remat
+"none", at least remat.saved_bytes_per_token("none") per token each) and the other layers'
+attention outputs kept (output and log-normaliser, one per layer: a custom VJP over kdjax's cuDNN
+calls, not built; JAX's policies keep each call's whole-row output, 8 a layer at 128K).
 """
 import argparse
 import json
@@ -61,21 +65,56 @@ def best_attention(lines_, seq_len, rows, docs):
 
 RERUN_MATMULS = ("full",)  # policies that recompute the projections in the backward pass
 RERUN_ATTENTION = ("full", "dots", "names")  # ... and the attention's forward
+PARTS = ("matmuls", "attention", "elementwise", "optimizer")
 
 
-def floor(cfg, policy, micro_batches, tokens, gemm_flops_per_s, fwd_s, fwd_bwd_s,
-          whole_layers=0):
-  """(matmul s, attention s) of a step of `tokens` tokens in `micro_batches` micro-batches
-  under remat `policy`, whole_layers of its layers kept whole (no second forward)."""
+def elementwise_elements(cfg) -> tuple[int, int]:
+  """(forward, backward) elements per token that one block's elementwise work reads and writes,
+  each op fused with nothing but read and written once. Forward: RMSNorm x2 (read x, write y:
+  2d each), RoPE (q and k in and out: 2 (q + kv)), residual adds x2 (3d each), SwiGLU product
+  (gate and up in, h out: 3f). Backward: SwiGLU's (gate, up, dh in; dgate, dup out: 5f), RMSNorm
+  x2 (x and dy in, dx out, added to the residual's gradient: 4d each), RoPE's (2 (q + kv))."""
+  d, f = cfg.d_model, cfg.d_ff
+  qk = (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim
+  return 10 * d + 2 * qk + 3 * f, 8 * d + 2 * qk + 5 * f
+
+
+def floor(cfg, policy, micro_batches, tokens, gemm_flops_per_s, hbm_bytes_per_s, fwd_s,
+          fwd_bwd_s, whole_layers=0, keep_attention=False) -> dict:
+  """Seconds of each of PARTS in a step of `tokens` tokens in `micro_batches` micro-batches
+  under remat `policy`; whole_layers of its layers kept whole (no second forward), the others'
+  attention outputs kept if keep_attention."""
   d, q, kv, f, n = (cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim,
                     cfg.d_ff, cfg.n_layers)
   block = d * q * 2 + d * kv * 2 + 3 * d * f  # one layer's matmul parameters
-  rerun = n - whole_layers  # layers whose forward runs again
+  rerun = 0 if policy == "none" else n - whole_layers  # layers whose forward runs again
   passes = 6 * n + (2 * rerun if policy in RERUN_MATMULS else 0)  # fwd 2, bwd 4 per layer
-  gemm_s = (passes * block + 6 * d * cfg.output_vocab_size) * tokens / gemm_flops_per_s
-  attention_s = micro_batches * (n * fwd_bwd_s
-                                 + (rerun * fwd_s if policy in RERUN_ATTENTION else 0))
-  return gemm_s, attention_s
+  attention_reruns = rerun if policy in RERUN_ATTENTION and not keep_attention else 0
+  fwd_el, bwd_el = elementwise_elements(cfg)
+  params = n * block + 2 * d * cfg.output_vocab_size  # and the embedding
+  return {
+      "matmuls": (passes * block + 6 * d * cfg.output_vocab_size) * tokens / gemm_flops_per_s,
+      "attention": micro_batches * (n * fwd_bwd_s + attention_reruns * fwd_s),
+      "elementwise": ((n * (fwd_el + bwd_el) + rerun * fwd_el) * 2 * tokens
+                      / hbm_bytes_per_s),
+      "optimizer": 28 * params / hbm_bytes_per_s}
+
+
+def mixes(cfg, free_gib, row_tokens):
+  """[(label, whole layers, keep attention)]: the mixes of layers kept whole and attention
+  outputs kept that fit in free_gib, per micro-batch of row_tokens tokens."""
+  whole_gib = remat.saved_bytes_per_token(cfg, "none") * row_tokens / 2**30
+  attention_gib = row_tokens * cfg.n_heads * (cfg.head_dim * 2 + 4) / 2**30  # bf16 out, f32 lse
+  found = []
+  for keep in (False, True):
+    for whole in range(cfg.n_layers + 1):
+      need = whole * whole_gib + (cfg.n_layers - whole) * attention_gib * keep
+      if need <= free_gib:
+        found.append((f"{whole} layers kept whole (>= {whole_gib:.2f} GiB each)"
+                       + (f", the others' attention outputs kept ({attention_gib:.2f} GiB each)"
+                          if keep else "") + f": {need:.1f} of {free_gib:.1f} GiB free",
+                       whole, keep))
+  return found
 
 
 def main():
@@ -85,6 +124,7 @@ def main():
   p.add_argument("--run", default="128k-full-profile",
                  help="the name of the measured step's lines in e2e.jsonl (its latest is read)")
   p.add_argument("--gemm-tflops", type=float, default=790.0)
+  p.add_argument("--hbm-tbps", type=float, default=4.8)
   p.add_argument("--target-tokens-per-s", type=float, default=18000.0)
   p.add_argument("--memory-fraction", type=float, default=0.0,
                  help="of the GPU a run may take (0: the measured run's)")
@@ -113,30 +153,28 @@ def main():
            f"{run['profile']['shares']['attention']:.1%}" if "profile" in run else ""))
   print(f"attention alone, best: forward {1e3 * fwd_s:.2f} ms, forward + backward "
         f"{1e3 * fwd_bwd_s:.2f} ms per layer and micro-batch; matmuls at "
-        f"{args.gemm_tflops:.0f} TFLOP/s")
-  cases = [(f"remat {policy}", 0)]
+        f"{args.gemm_tflops:.0f} TFLOP/s, memory at {args.hbm_tbps:g} TB/s")
+  rates = (args.gemm_tflops * 1e12, args.hbm_tbps * 1e12)
+  cases = [(f"remat {policy}, as measured", 0, False)]
   if policy == "full":
     fraction = args.memory_fraction or run["mem_fraction"]
     free_gib = fraction * GPU_GIB - run["peak_gib"]
-    layer_gib = remat.saved_bytes_per_token(cfg, "none") * rows * t / 2**30
-    whole = max(0, min(cfg.n_layers, int(free_gib // layer_gib)))
-    cases.append((f"{whole} layers kept whole in {free_gib:.1f} GiB free at {fraction:.2f} "
-                  f"(>= {layer_gib:.2f} GiB each)", whole))
-  for label, k in cases:
-    gemm_s, attention_s = floor(cfg, policy, accum, tokens, args.gemm_tflops * 1e12, fwd_s,
-                                fwd_bwd_s, k)
-    total = gemm_s + attention_s
-    verdict = "above the target: not reachable" if total > target_s else "below the target"
-    print(f"  floor, {label}: matmuls {gemm_s:.2f} s + attention {attention_s:.2f} s = "
-          f"{total:.2f} s, {tokens / total:,.0f} tokens/s ({verdict})")
-    if total > target_s:
-      print(f"    to reach the target with every other kernel free, the attention would take "
-            f"<= {target_s - gemm_s:.2f} s: {attention_s / (target_s - gemm_s):.2f}x cuDNN's "
-            "best rate")
-    else:
-      print(f"    left for everything else (norms, RoPE, SwiGLU, residuals, loss head, "
-            f"optimizer, the attention above its best): {target_s - total:.2f} s; measured "
-            f"{run['step_s'] - total:.2f} s")
+    found = mixes(cfg, free_gib, rows * t)
+    best = lambda group: min(group, key=lambda m: sum(
+        floor(cfg, policy, accum, tokens, *rates, fwd_s, fwd_bwd_s, m[1], m[2]).values()))
+    cases.append(best([m for m in found if not m[2]]))
+    if any(m[2] for m in found):
+      cases.append(best([m for m in found if m[2]]))
+  for label, whole, keep in cases:
+    parts = floor(cfg, policy, accum, tokens, *rates, fwd_s, fwd_bwd_s, whole, keep)
+    total = sum(parts.values())
+    print(f"  floor, {label}:")
+    print("    " + " + ".join(f"{k} {v:.2f}" for k, v in parts.items())
+          + f" = {total:.2f} s, {tokens / total:,.0f} tokens/s: "
+          + (f"above the target by {total - target_s:.2f} s (not reachable)"
+             if total > target_s else
+             f"{target_s - total:.2f} s left for the rest (measured step - floor: "
+             f"{run['step_s'] - total:.2f} s)"))
 
 
 if __name__ == "__main__":
