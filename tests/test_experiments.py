@@ -132,7 +132,8 @@ def test_step_floor_counts_by_hand():
   sys.path.insert(0, os.path.join(ROOT, "experiments", "studies"))
   import step_floor
   cfg = types.SimpleNamespace(d_model=2, n_heads=1, head_dim=2, n_kv_heads=1, d_ff=2,
-                              n_layers=1, output_vocab_size=1)
+                              n_layers=1, output_vocab_size=1, n_experts=0,
+                              experts_per_token=1)
   assert step_floor.elementwise_elements(cfg) == (34, 34)
   f = lambda *a, **k: step_floor.floor(cfg, *a[:2], 1, 1.0, 1.0, 10.0, 100.0, **k)
   opt = 28 * 32

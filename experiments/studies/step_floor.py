@@ -40,7 +40,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments", "bench"))
 from e2e_bench import load_config  # noqa: E402
 from kdjax import build  # noqa: E402
-from kdjax.models import remat  # noqa: E402
+from kdjax.models import llama, remat  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "experiments", "results")
 GPU_GIB = 139.8  # what the H200 reports as its memory (jax's bytes_limit at fraction 1)
@@ -65,7 +65,6 @@ def best_attention(lines_, seq_len, rows, docs):
 
 RERUN_MATMULS = ("full",)  # policies that recompute the projections in the backward pass
 RERUN_ATTENTION = ("full", "dots", "names")  # ... and the attention's forward
-PARTS = ("matmuls", "attention", "elementwise", "optimizer")
 
 
 def elementwise_elements(cfg) -> tuple[int, int]:
@@ -81,12 +80,11 @@ def elementwise_elements(cfg) -> tuple[int, int]:
 
 def floor(cfg, policy, micro_batches, tokens, gemm_flops_per_s, hbm_bytes_per_s, fwd_s,
           fwd_bwd_s, whole_layers=0, keep_attention=False) -> dict:
-  """Seconds of each of PARTS in a step of `tokens` tokens in `micro_batches` micro-batches
+  """Seconds of the matmuls, attention, elementwise work and optimizer in a step of `tokens` tokens in `micro_batches` micro-batches
   under remat `policy`; whole_layers of its layers kept whole (no second forward), the others'
   attention outputs kept if keep_attention."""
-  d, q, kv, f, n = (cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim,
-                    cfg.d_ff, cfg.n_layers)
-  block = d * q * 2 + d * kv * 2 + 3 * d * f  # one layer's matmul parameters
+  d, n = cfg.d_model, cfg.n_layers
+  block = llama.matmul_params_per_layer(cfg)
   rerun = 0 if policy == "none" else n - whole_layers  # layers whose forward runs again
   passes = 6 * n + (2 * rerun if policy in RERUN_MATMULS else 0)  # fwd 2, bwd 4 per layer
   attention_reruns = rerun if policy in RERUN_ATTENTION and not keep_attention else 0

@@ -272,6 +272,14 @@ def count_params(model: nnx.Module) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+def matmul_params_per_layer(cfg: ModelConfig) -> int:
+  """Matmul parameters a token goes through in one block: the attention's projections and the
+  MLP's (of an MoE layer, the router and the experts_per_token experts)."""
+  d, h, g, e, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+  mlp = 3 * d * f * cfg.experts_per_token + d * cfg.n_experts if cfg.n_experts else 3 * d * f
+  return d * h * e * 2 + d * g * e * 2 + mlp
+
+
 def flops_per_token(cfg: ModelConfig, context: float) -> float:
   """Model training FLOPs per token (forward + backward): 6 N + 12 L H E c.
 
@@ -281,8 +289,5 @@ def flops_per_token(cfg: ModelConfig, context: float) -> float:
   the attention term counts the score blocks a causal, document-masked kernel computes. Remat
   recomputation is not counted (model FLOPs). PaLM's MFU convention is c = T (the full matrix).
   """
-  d, h, g, e, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
-  mlp = 3 * d * f * cfg.experts_per_token + d * cfg.n_experts if cfg.n_experts else 3 * d * f
-  per_layer = d * h * e * 2 + d * g * e * 2 + mlp
-  n = cfg.n_layers * per_layer + d * cfg.output_vocab_size
-  return 6.0 * n + 12.0 * cfg.n_layers * h * e * context
+  n = cfg.n_layers * matmul_params_per_layer(cfg) + cfg.d_model * cfg.output_vocab_size
+  return 6.0 * n + 12.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * context
