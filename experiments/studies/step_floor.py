@@ -43,7 +43,9 @@ from kdjax import build  # noqa: E402
 from kdjax.models import llama, remat  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "experiments", "results")
-GPU_GIB = 139.8  # what the H200 reports as its memory (jax's bytes_limit at fraction 1)
+# The H200's memory as JAX counts it: its bytes_limit was 127.9 GiB at a memory fraction of 0.92
+# (BENCHMARKS.md, "Rematerialisation", 2026-12-03).
+GPU_GIB = 127.9 / 0.92
 
 
 def lines(path):
