@@ -38,7 +38,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments", "bench"))
-from e2e_bench import load_config  # noqa: E402
+import e2e_bench  # noqa: E402
 from kdjax import build  # noqa: E402
 from kdjax.models import llama, remat  # noqa: E402
 
@@ -82,9 +82,9 @@ def elementwise_elements(cfg) -> tuple[int, int]:
 
 def floor(cfg, policy, micro_batches, tokens, gemm_flops_per_s, hbm_bytes_per_s, fwd_s,
           fwd_bwd_s, whole_layers=0, keep_attention=False) -> dict:
-  """Seconds of the matmuls, attention, elementwise work and optimizer in a step of `tokens` tokens in `micro_batches` micro-batches
-  under remat `policy`; whole_layers of its layers kept whole (no second forward), the others'
-  attention outputs kept if keep_attention."""
+  """{matmuls, attention, elementwise, optimizer: seconds} of a step of `tokens` tokens in
+  `micro_batches` micro-batches under remat `policy`; whole_layers of its layers kept whole (no
+  second forward), the others' attention outputs kept if keep_attention."""
   d, n = cfg.d_model, cfg.n_layers
   block = llama.matmul_params_per_layer(cfg)
   rerun = 0 if policy == "none" else n - whole_layers  # layers whose forward runs again
@@ -128,8 +128,10 @@ def main():
   p.add_argument("--target-tokens-per-s", type=float, default=18000.0)
   p.add_argument("--memory-fraction", type=float, default=0.0,
                  help="of the GPU a run may take (0: the measured run's)")
+  p.add_argument("--results", default="",
+                 help="append one JSON line per floor here (experiments/results/floors.jsonl)")
   args = p.parse_args()
-  c = load_config(os.path.join(ROOT, args.config), [])
+  c = e2e_bench.load_config(os.path.join(ROOT, args.config), [])
   cfg = build.model_config(c.student, c.teacher.vocab_size or 128256)
   t = c.data.seq_len
   runs = [r for r in lines(os.path.join(RESULTS, "e2e.jsonl"))
@@ -168,6 +170,19 @@ def main():
   for label, whole, keep in cases:
     parts = floor(cfg, policy, accum, tokens, *rates, fwd_s, fwd_bwd_s, whole, keep)
     total = sum(parts.values())
+    if args.results:
+      e2e_bench.record({
+          "config": args.config, "docs": args.docs, "case": label, "remat": policy,
+          "whole_layers": whole, "attention_kept": keep,
+          **{f"{k}_s": v for k, v in parts.items()},
+          "floor_s": total, "floor_tokens_per_s": tokens / total, "target_s": target_s,
+          "measured_step_s": run["step_s"], "measured_commit": run["commit"],
+          "gemm_tflops": args.gemm_tflops, "hbm_tbps": args.hbm_tbps,
+          "attention_fwd_s": fwd_s, "attention_fwd_bwd_s": fwd_bwd_s,
+          "commit": e2e_bench.commit(), "date": e2e_bench.today(),
+          "device": "computed on a CPU from the H200's measured lines",
+          "command": " ".join(["python experiments/studies/step_floor.py", *sys.argv[1:]])},
+          args.results)
     print(f"  floor, {label}:")
     print("    " + " + ".join(f"{k} {v:.2f}" for k, v in parts.items())
           + f" = {total:.2f} s, {tokens / total:,.0f} tokens/s: "
