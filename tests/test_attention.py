@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kdjax.models import attention
+from tests.fixtures.cudnn_on_cpu import cudnn_on_cpu  # noqa: F401 (a fixture)
 
 
 def attention_reference(q, k, v, seg, sinks=None, window=0):
@@ -87,59 +88,13 @@ def test_document_spans_give_the_document_mask(seed):
                                 np.asarray(attention.document_mask(jnp.asarray(seg))))
 
 
-def spans_attention_leaving_garbage(q, k, v, scale, window, lse, starts=None, lengths=None):
-  """A stand-in for one cuDNN call (attention._cudnn) on CPU: exact inside the given spans (or
-  causal over whole rows), NaN outside them in the output and in every gradient, as cuDNN leaves
-  memory there unwritten; with lse also the log-normalisers in cuDNN's layout ([B * M, H, T] by
-  document at offsets within it, NaN beyond; [B, H, T] for whole rows)."""
-  b, t = q.shape[:2]
-  whole = starts is None
-  if whole:
-    starts = jnp.asarray([[0, -1]] * b, jnp.int32)
-    lengths = jnp.full((b, 1), t, jnp.int32)
-  mask_BxTxS = attention.spans_mask(starts, lengths, t)
-  if window:
-    idx = jnp.arange(t)
-    mask_BxTxS = mask_BxTxS & (idx[:, None] - idx[None, :] < window)[None]
-  inside_BxT = jnp.any(mask_BxTxS, axis=2)
-  blot = lambda x: jnp.where(inside_BxT[:, :, None, None], x, jnp.nan)
-  g = k.shape[2]
-
-  def scores(q, k):
-    s = jnp.einsum("btgre,bsge->bgrts", q.reshape(b, t, g, -1, q.shape[-1]), k) * scale
-    return jnp.where(mask_BxTxS[:, None, None], s, -jnp.inf)
-
-  @jax.custom_vjp
-  def call(q, k, v):
-    p = jnp.nan_to_num(jax.nn.softmax(scores(q, k), axis=-1))
-    return jnp.einsum("bgrts,bsge->btgre", p, v).reshape(q.shape)
-
-  def fwd(q, k, v):
-    out, vjp = jax.vjp(call.fun, q, k, v)
-    return blot(out), vjp
-
-  call.defvjp(fwd, lambda vjp, dout: tuple(blot(d) for d in vjp(dout)))
-  out = call(q, k, v)
-  if not lse:
-    return out
-  lse_BxHxT = jax.lax.stop_gradient(jax.nn.logsumexp(scores(q, k), axis=-1)).reshape(b, -1, t)
-  if whole:
-    return out, lse_BxHxT
-  m = lengths.shape[1]
-  idx_MxT = starts[:, :m, None] + jnp.arange(t)[None, None]  # [B, M, T]: positions by offset
-  valid = (jnp.arange(t)[None, None] < lengths[:, :, None]) & (starts[:, :m, None] >= 0)
-  picked = jnp.take_along_axis(lse_BxHxT[:, None], jnp.clip(idx_MxT, 0, t - 1)[:, :, None],
-                               axis=3)  # [B, M, H, T]
-  return out, jnp.where(valid[:, :, None], picked, jnp.nan).reshape(b * m, -1, t)
-
-
 @pytest.mark.parametrize("per_call,window,sinks", [(2, 0, False), (3, 0, False), (8, 0, False),
                                                    (3, 4, True), (8, 0, True)])
-def test_documents_in_several_cudnn_calls(monkeypatch, per_call, window, sinks):
+def test_documents_in_several_cudnn_calls(cudnn_on_cpu, per_call, window, sinks):
   """The cuDNN path's split of a row's documents over calls (its workspace bound), with a
   sliding window and sinks (from each call's log-normalisers): output and gradients equal the
-  einsum reference's, though each call leaves garbage outside its spans."""
-  monkeypatch.setattr(attention, "_cudnn", spans_attention_leaving_garbage)
+  einsum reference's, though each call leaves garbage outside its spans, and the backward
+  passes read the merged output and log-normalisers, each call's share in its own layout."""
   rng = np.random.default_rng(per_call)
   seg = packed_rows(rng, 3, 41, 7)
   seg[0] = 0  # a row of padding only
@@ -157,19 +112,21 @@ def test_documents_in_several_cudnn_calls(monkeypatch, per_call, window, sinks):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
-def test_one_document_rows_through_cudnn_with_sinks(monkeypatch):
-  """Rows of one document take cuDNN's whole-row causal call; sinks from its [B, H, T]
-  log-normalisers."""
-  monkeypatch.setattr(attention, "_cudnn", spans_attention_leaving_garbage)
+@pytest.mark.parametrize("sinks", [False, True])
+def test_one_document_rows_through_cudnn(cudnn_on_cpu, sinks):
+  """Rows of one document take cuDNN's whole-row causal call, its [B, H, T] log-normalisers
+  (sinks from them; the backward pass reads them), padding after the document: output and
+  gradients equal the einsum reference's."""
   rng = np.random.default_rng(0)
-  seg = np.ones((2, 19), np.int32)
-  seg[1, 15:] = 0  # padding after the document
-  q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
-             for shape in ((2, 19, 4, 8), (2, 19, 2, 8), (2, 19, 2, 8)))
-  sinks_H = jnp.asarray(rng.standard_normal(4), jnp.float32)
-  got = attention.attention_cudnn(q, k, v, jnp.asarray(seg), 1, None, sinks_H, 5)
-  want = attention.attention_einsum(q, k, v, jnp.asarray(seg), sinks_H, 5)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  seg = jnp.asarray((np.arange(19)[None] < np.array([[19], [15]])).astype(np.int32))
+  q, k, v, cot = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+                  for shape in ((2, 19, 4, 8), (2, 19, 2, 8), (2, 19, 2, 8), (2, 19, 4, 8)))
+  sinks_H = jnp.asarray(rng.standard_normal(4), jnp.float32) if sinks else None
+  (got, got_vjp), (want, want_vjp) = (jax.vjp(fn, q, k, v) for fn in (
+      lambda *x: attention.attention_cudnn(*x, seg, 1, None, sinks_H, 5),
+      lambda *x: attention.attention_einsum(*x, seg, sinks_H, 5)))
+  for a, b in zip((got, *got_vjp(cot)), (want, *want_vjp(cot))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("window,sinks,bands", [(0, False, 8), (0, True, 3), (3, True, 8),

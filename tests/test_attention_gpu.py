@@ -110,3 +110,31 @@ def test_cudnn_sinks_and_window_match_einsum(t, docs, window, sinks, per_call, r
     err = np.linalg.norm(a - b) / np.linalg.norm(b)
     print(name, err)
     assert err < 1e-2, (name, err)  # bf16 operands
+
+
+@pytest.mark.parametrize("policy", ["attention", "dots_attention", "names", "full"])
+def test_kept_attention_backward_under_remat(policy, rng, monkeypatch):
+  """The policies that keep the merged attention output and log-normalisers hand them to cuDNN's
+  backward (no second forward): a bf16 model's loss and gradients match remat "none"'s, 5
+  documents in 3 cuDNN calls a layer."""
+  from flax import nnx
+  from kdjax.models import llama
+  monkeypatch.setattr(attention, "WORKSPACE_POSITIONS", 1)  # 2 documents a call
+  t = 2048
+  seg = jnp.asarray(packed_rows(rng, 2, t, 5))
+  tokens = jnp.asarray(rng.integers(0, 512, (2, t)), jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (2, t))
+  bound = attention.documents_bound(np.asarray(seg))
+
+  def grads(p):
+    cfg = llama.ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,
+                            head_dim=E, d_ff=512, dtype="bfloat16", remat=p)
+    model = llama.Transformer(cfg, rngs=nnx.Rngs(0))
+    loss = lambda m: jnp.sum(jnp.sin(m(tokens, positions, seg, bound).astype(jnp.float32)))
+    return nnx.jit(nnx.value_and_grad(loss))(model)
+
+  (value, got), (want_value, want) = grads(policy), grads("none")
+  assert abs(float(value) - float(want_value)) <= 1e-2 * abs(float(want_value)) + 1e-2
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b) + 1e-6

@@ -143,7 +143,8 @@ def test_step_floor_counts_by_hand():
   assert f("full", 3, keep_attention=True) == dict(matmuls=236, attention=300.0,
                                                    elementwise=204, optimizer=opt)
   assert f("dots", 1) == dict(matmuls=180, attention=110.0, elementwise=204, optimizer=opt)
-  assert f("dots_attention", 1)["attention"] == 100.0
+  assert f("dots_attention", 1)["attention"] == f("names", 1)["attention"] == 100.0
+  assert f("attention", 3) == f("full", 3, keep_attention=True)
   assert f("none", 1) == dict(matmuls=180, attention=100.0, elementwise=136, optimizer=opt)
 
 

@@ -10,8 +10,9 @@ import pytest
 from flax import nnx
 
 from kdjax import config
-from kdjax.models import llama, remat, rope
+from kdjax.models import attention, llama, remat, rope
 from kdjax.models.llama import ModelConfig, Transformer
+from tests.fixtures.cudnn_on_cpu import cudnn_on_cpu, forward_calls  # noqa: F401 (a fixture)
 
 B, T = 2, 12
 
@@ -111,28 +112,51 @@ def test_padding_changes_nothing_and_stays_finite():
   assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
 
 
+NO_REMAT = {}  # family: (loss, gradients) with remat "none"
+
+
 @pytest.mark.parametrize("policy", [p for p in remat.CHOICES if p != "none"])  # auto unresolved
-@pytest.mark.parametrize("family", ["dense", pytest.param("moe_sinks", marks=pytest.mark.slow)])
-def test_every_remat_policy_gives_the_loss_and_gradients_of_none(policy, family):
+@pytest.mark.parametrize("family", ["dense", "cudnn",
+                                    pytest.param("moe_sinks", marks=pytest.mark.slow)])
+def test_every_remat_policy_gives_the_loss_and_gradients_of_none(policy, family, request):
+  """Also through the cuDNN path (its calls replaced by CPU stand-ins, 3 documents in 2 calls a
+  layer), whose backward reads the output and log-normalisers the policies keep."""
   extra = dict(qk_norm=True) if family == "dense" else dict(
       n_experts=4, experts_per_token=2, attention_sinks=True, sliding_window=5,
-      attention_bias=True, expert_bias=True)
+      attention_bias=True, expert_bias=True) if family == "moe_sinks" else dict(
+      attention_impl="cudnn")
+  if family == "cudnn":
+    request.getfixturevalue("cudnn_on_cpu")
+    request.getfixturevalue("monkeypatch").setattr(attention, "WORKSPACE_POSITIONS", 1)
   tokens, positions, _ = inputs(seed=3)
-  segment_ids = jnp.asarray(np.repeat([[1] * 5 + [2] * 4 + [0] * 3], B, 0), jnp.int32)
-  loss = lambda m: jnp.sum(jnp.sin(m(tokens, positions, segment_ids)))
-  values, grads = {}, {}
-  for p in ("none", policy):
+  segment_ids = jnp.asarray(np.repeat([[1] * 5 + [2] * 2 + [3] * 2 + [0] * 3], B, 0), jnp.int32)
+  loss = lambda m: jnp.sum(jnp.sin(m(tokens, positions, segment_ids, 4)))
+
+  def value_and_grad(p):
     model = Transformer(make_cfg(remat=p, **extra), rngs=nnx.Rngs(0))
-    values[p], grads[p] = nnx.jit(nnx.value_and_grad(loss))(model)
-  np.testing.assert_allclose(float(values[policy]), float(values["none"]), rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(grads[policy]), jax.tree.leaves(grads["none"])):
+    return nnx.jit(nnx.value_and_grad(loss))(model)
+
+  if family not in NO_REMAT:  # one compilation of "none" per family and process
+    NO_REMAT[family] = value_and_grad("none")
+  (value, grads), (want_value, want_grads) = value_and_grad(policy), NO_REMAT[family]
+  np.testing.assert_allclose(float(value), float(want_value), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-def test_dots_attention_names_cudnns_forward_primitive():
-  """"dots_attention" keeps the outputs of a primitive found by name: the pinned JAX's."""
-  from jax._src.cudnn import fused_attention_stablehlo as cudnn_sdpa
-  assert cudnn_sdpa._dot_product_attention_fwd_p_wrapper.name == remat.CUDNN_ATTENTION_FWD
+@pytest.mark.parametrize("policy,calls", [("none", 1), ("full", 2), ("dots", 2), ("names", 1),
+                                          ("dots_attention", 1), ("attention", 1),
+                                          ("offload", 1)])
+def test_which_policies_rerun_the_attentions_forward(policy, calls, cudnn_on_cpu):
+  """The policies that keep the attention's output and log-normalisers never run its forward
+  again in the backward pass: per cuDNN call, the gradient's program holds `calls` forwards."""
+  tokens, positions, _ = inputs(seed=3)
+  segment_ids = jnp.asarray(np.repeat([[1] * 5 + [2] * 4 + [0] * 3], B, 0), jnp.int32)
+  model = Transformer(make_cfg(remat=policy, attention_impl="cudnn"), rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  loss = lambda s: jnp.sum(jnp.sin(nnx.merge(graphdef, s)(tokens, positions, segment_ids, 2)))
+  program = jax.make_jaxpr(jax.grad(loss))(state)
+  assert forward_calls(program.jaxpr) == calls * model.cfg.n_layers
 
 
 def test_remat_reads_the_old_switch_and_refuses_unknown_policies():

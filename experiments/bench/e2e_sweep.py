@@ -57,6 +57,12 @@ SWEEP = {
     # The 128K step's single 46 GiB block of temporaries needs that much free in one piece: more
     # than JAX's own 75% of the GPU leaves (the config's mesh.memory_fraction, 0.92, does).
     "128k": "student --config configs/128k.py --docs 16 --accum 1 --steps 4 --memory",
+    # The policies auto chooses between at 128K: the block recomputed whole, or all but the
+    # attention (its merged output and log-normalisers kept, ~0.76 GiB a layer).
+    "128k-full": "student --config configs/128k.py --docs 16 --accum 1 --steps 4 --memory "
+                 "--set student.remat=full",
+    "128k-attention": "student --config configs/128k.py --docs 16 --accum 1 --steps 4 --memory "
+                      "--set student.remat=attention",
     # 256K: XLA plans 112.67 GiB of temporaries + 18.15 of arguments with remat full and the
     # moments in host memory (`--steps 0`); in JAX's pool (BFC), even at 0.97 of the GPU, the
     # temporaries found no room in one piece (2026-12-03). With mesh.allocator=platform (no pool)

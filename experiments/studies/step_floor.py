@@ -15,8 +15,8 @@ head softmax, no gradient sums, no kernel above its best rate: all of them only 
     the policy recomputes them, "full"), the lm_head forward and backward (6 d V), at
     --gemm-tflops (790: what this H200's bf16 GEMMs reach, the issue's figure; the 128K
     profile's own ran at ~776);
-  * attention: each layer's forward (twice where the policy reruns it: "full", "dots",
-    "names") and its backward, at the best cuDNN time measured for the same rows alone
+  * attention: each layer's forward (twice where the policy reruns it: "full", "dots") and its
+    backward, at the best cuDNN time measured for the same rows alone
     (experiments/results/attention.jsonl, lines of `attention_bench.py --seq-len T --rows B
     --docs D`, any --docs-per-call or --bound);
   * elementwise: the bytes the block's norms, RoPE, SwiGLU product and residual adds must read
@@ -26,9 +26,9 @@ head softmax, no gradient sums, no kernel above its best rate: all of them only 
     written, the bf16 gradient read and bf16 copy written), at the same peak.
 With remat "full" (the only policy whose kept values fit at 128K, kdjax/models/remat.py), also
 the best mix the GPU memory the measured run left free could hold: layers kept whole (remat
-"none", at least remat.saved_bytes_per_token("none") per token each) and the other layers'
-attention outputs kept (output and log-normaliser, one per layer: a custom VJP over kdjax's cuDNN
-calls, not built; JAX's policies keep each call's whole-row output, 8 a layer at 128K).
+"none", at least remat.saved_bytes_per_token("none") per token each; a mix of policies over the
+layers is not built) and the other layers' attention outputs kept (output and log-normaliser,
+one per layer: remat "attention").
 """
 import argparse
 import json
@@ -65,8 +65,8 @@ def best_attention(lines_, seq_len, rows, docs):
   return best["fwd_ms"] / 1e3, best["fwd_bwd_ms"] / 1e3
 
 
-RERUN_MATMULS = ("full",)  # policies that recompute the projections in the backward pass
-RERUN_ATTENTION = ("full", "dots", "names")  # ... and the attention's forward
+RERUN_MATMULS = ("full", "attention")  # policies that recompute the projections in the backward
+RERUN_ATTENTION = ("full", "dots")  # ... and the attention's forward
 
 
 def elementwise_elements(cfg) -> tuple[int, int]:

@@ -20,7 +20,11 @@ Two implementations of that one function:
     linear in T: documents go to cuDNN a few per call, as its workspace grows with documents x T.
     Sliding windows are cuDNN's own; sinks scale cuDNN's output by sigmoid(lse - sink) from its
     log-normaliser lse (exact: the sink is one more term of the denominator), their gradients
-    the reference's, recomputed (cuDNN's backward takes no cotangent of lse).
+    the reference's, recomputed (cuDNN's backward takes no cotangent of lse). Without sinks the
+    backward pass keeps one output and one log-normaliser per position, merged over the calls
+    (tagged "attention" and "attention_lse" for the remat policies), and hands each call's
+    backward its documents' share of them: a policy that keeps those two never reruns the
+    attention's forward, however many calls a row takes.
 """
 import functools
 import math
@@ -29,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
+
+from kdjax.models import remat
 
 IMPLS = ("auto", "einsum", "cudnn")
 
@@ -224,23 +230,6 @@ def documents_per_call(b: int, t: int, max_documents: int) -> int:
   return min(max_documents, max(2, WORKSPACE_POSITIONS // (b * t)))
 
 
-@jax.custom_vjp
-def _grad_where(x: jax.Array, keep_BxT: jax.Array) -> jax.Array:
-  """x itself; its gradient is zeroed where keep_BxT is False (no copy in the forward pass)."""
-  return x
-
-
-def _grad_where_fwd(x, keep_BxT):
-  return x, keep_BxT
-
-
-def _grad_where_bwd(keep_BxT, dx):
-  return jnp.where(keep_BxT[:, :, None, None], dx, 0).astype(dx.dtype), None
-
-
-_grad_where.defvjp(_grad_where_fwd, _grad_where_bwd)
-
-
 def _cudnn(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, scale, window, lse, starts_BxM1=None,
            lengths_BxM=None):
   """One cuDNN call: causal over the whole row, or over M documents per row given as spans
@@ -260,6 +249,27 @@ def _cudnn(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, scale, window, lse, starts_BxM1=None
   return cudnn_sdpa.dot_product_attention(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, **kw)
 
 
+def _cudnn_bwd(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, out_BxTxHxE, stats, d_out_BxTxHxE, scale,
+               window, starts_BxM1=None, lengths_BxM=None):
+  """The backward pass of one _cudnn call from its output and its log-normalisers `stats` (in the
+  layout _cudnn returned them), without rerunning its forward: (dq, dk, dv), left unwritten
+  outside the call's spans, as cuDNN's own backward rule does (the same primitive, bound as
+  jax._src.cudnn's _dot_product_attention_bwd_rule binds it; the GPU test checks it)."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_sdpa
+  none = jnp.zeros(0, q_BxTxHxE.dtype)
+  if starts_BxM1 is None:
+    spans, mask = (none,) * 4, cudnn_sdpa.MaskType.CAUSAL
+  else:
+    spans = (lengths_BxM, lengths_BxM, starts_BxM1, starts_BxM1)
+    mask = cudnn_sdpa.MaskType.PADDING_CAUSAL
+  grads = cudnn_sdpa._dot_product_attention_bwd_p_wrapper.bind(
+      q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, none, *spans, none, none, stats, out_BxTxHxE,
+      d_out_BxTxHxE, scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False),
+      mask_type=mask, layout=cudnn_sdpa.AttentionLayout.BTNH.value,
+      sliding_window_length=window or None)
+  return tuple(grads[:3])
+
+
 def _lse_at_positions(lse_BMxHxT, starts_BxM, doc_BxT):
   """A packed call's log-normalisers [B * M, H, T] (by document, at offsets within it) as
   [B, T, H] at each position of document doc_BxT (its index among the call's M; others: any)."""
@@ -272,38 +282,94 @@ def _lse_at_positions(lse_BMxHxT, starts_BxM, doc_BxT):
   return lse_BxMxHxT[jnp.arange(b)[:, None], doc_BxT, :, local_BxT]
 
 
-def _cudnn_rows(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, max_documents: int,
-                docs_per_call: int | None, window: int, lse: bool):
-  """attention_cudnn without sinks: (out [B, T, H, E], log-normalisers [B, T, H] or None)."""
-  b, t, _, e = q_BxTxHxE.shape
-  scale = 1.0 / math.sqrt(e)
-  real_BxT = segment_ids_BxT != 0
+def _lse_in_call_layout(lse_BxTxH, starts_BxM):
+  """Log-normalisers [B, T, H] by position as a packed call returns them, [B * M, H, T]: document
+  j of row b at [b * M + j, :, u] for its position start + u (the inverse of _lse_at_positions;
+  entries past a document's end, and absent documents, hold any value: cuDNN reads none)."""
+  b, m = starts_BxM.shape
+  t = lse_BxTxH.shape[1]
+  idx_BxMxT = jnp.clip(starts_BxM[:, :, None] + jnp.arange(t)[None, None], 0, t - 1)
+  lse_BxMxTxH = lse_BxTxH[jnp.arange(b)[:, None, None], idx_BxMxT]
+  return lse_BxMxTxH.transpose(0, 1, 3, 2).reshape(b * m, -1, t)
+
+
+def _calls(segment_ids_BxT: jax.Array, max_documents: int, docs_per_call: int | None):
+  """The cuDNN calls over a batch of rows, each (mine_BxT: the positions of its documents,
+  doc_BxT: a position's document among the call's, starts_BxM1, lengths_BxM: the call's spans);
+  one call over whole rows (spans None) where max_documents is 1."""
+  b, t = segment_ids_BxT.shape
   if max_documents == 1:
     # One document per row: plain causal attention; padding sits after it, so no real query
     # reaches a padding key.
-    out = _cudnn(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, scale, window, lse)
-    out_BxTxHxE, lse_BxTxH = (out[0], out[1].swapaxes(1, 2)) if lse else (out, None)
-    return jnp.where(real_BxT[:, :, None, None], out_BxTxHxE, 0).astype(q_BxTxHxE.dtype), lse_BxTxH
-
+    return [(segment_ids_BxT != 0, None, None, None)]
   m = docs_per_call or documents_per_call(b, t, max_documents)
   starts_BxM1, lengths_BxM = document_spans(segment_ids_BxT, max_documents)
-  call_BxT = (segment_ids_BxT - 1) // m  # padding (segment 0): -1, in no call
-  out_BxTxHxE = jnp.zeros_like(q_BxTxHxE)
-  lse_BxTxH = jnp.zeros((b, t, q_BxTxHxE.shape[2]), jnp.float32) if lse else None
+  calls = []
   for i in range(-(-max_documents // m)):
-    mine_BxT = call_BxT == i
-    # cuDNN leaves the gradients outside the call's documents unwritten: they are dropped.
-    q_i, k_i, v_i = (_grad_where(x, mine_BxT) for x in (q_BxTxHxE, k_BxSxGxE, v_BxSxGxE))
-    call_starts_BxM = starts_BxM1[:, :-1][:, i * m:(i + 1) * m]
-    call_starts_BxM1 = jnp.concatenate([call_starts_BxM, jnp.full((b, 1), -1, jnp.int32)], axis=1)
-    out = _cudnn(q_i, k_i, v_i, scale, window, lse, call_starts_BxM1,
-                 lengths_BxM[:, i * m:(i + 1) * m])
-    out_i = out[0] if lse else out
-    out_BxTxHxE = jnp.where(mine_BxT[:, :, None, None], out_i, out_BxTxHxE)
+    doc_BxT = segment_ids_BxT - 1 - i * m  # padding (segment 0): < 0, in no call
+    starts_BxM = starts_BxM1[:, :-1][:, i * m:(i + 1) * m]
+    calls.append(((doc_BxT >= 0) & (doc_BxT < m), doc_BxT,
+                  jnp.concatenate([starts_BxM, jnp.full((b, 1), -1, jnp.int32)], axis=1),
+                  lengths_BxM[:, i * m:(i + 1) * m]))
+  return calls
+
+
+def _cudnn_rows(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, max_documents: int,
+                docs_per_call: int | None, window: int, lse: bool):
+  """attention_cudnn's forward without sinks: (out [B, T, H, E], log-normalisers [B, T, H] or
+  None), each position's from its call (zeros at padding)."""
+  b, t, h, e = q_BxTxHxE.shape
+  scale = 1.0 / math.sqrt(e)
+  out_BxTxHxE = jnp.zeros_like(q_BxTxHxE)
+  lse_BxTxH = jnp.zeros((b, t, h), jnp.float32) if lse else None
+  for mine_BxT, doc_BxT, starts_BxM1, lengths_BxM in _calls(segment_ids_BxT, max_documents,
+                                                           docs_per_call):
+    out = _cudnn(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, scale, window, lse, starts_BxM1, lengths_BxM)
+    out_BxTxHxE = jnp.where(mine_BxT[:, :, None, None], out[0] if lse else out, out_BxTxHxE)
     if lse:
-      lse_i = _lse_at_positions(out[1], call_starts_BxM, segment_ids_BxT - 1 - i * m)
+      lse_i = (out[1].swapaxes(1, 2) if starts_BxM1 is None else
+               _lse_at_positions(out[1], starts_BxM1[:, :-1], doc_BxT))
       lse_BxTxH = jnp.where(mine_BxT[:, :, None], lse_i, lse_BxTxH)
   return out_BxTxHxE.astype(q_BxTxHxE.dtype), lse_BxTxH
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _cudnn_kept(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, max_documents, docs_per_call,
+                window):
+  """attention_cudnn without sinks. Its backward pass reads the merged output and
+  log-normalisers (named for the remat policies), never each call's own."""
+  return _cudnn_rows(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, max_documents,
+                     docs_per_call, window, lse=False)[0]
+
+
+def _cudnn_kept_fwd(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, max_documents,
+                    docs_per_call, window):
+  out_BxTxHxE, lse_BxTxH = _cudnn_rows(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT,
+                                       max_documents, docs_per_call, window, lse=True)
+  out_BxTxHxE = remat.name(out_BxTxHxE, "attention")
+  lse_BxTxH = remat.name(lse_BxTxH, "attention_lse")
+  return out_BxTxHxE, (q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, out_BxTxHxE, lse_BxTxH)
+
+
+def _cudnn_kept_bwd(max_documents, docs_per_call, window, residuals, d_out_BxTxHxE):
+  q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, out_BxTxHxE, lse_BxTxH = residuals
+  scale = 1.0 / math.sqrt(q_BxTxHxE.shape[-1])
+  grads = [jnp.zeros_like(x) for x in (q_BxTxHxE, k_BxSxGxE, v_BxSxGxE)]
+  for mine_BxT, _, starts_BxM1, lengths_BxM in _calls(segment_ids_BxT, max_documents,
+                                                     docs_per_call):
+    if starts_BxM1 is None:  # whole rows: padding's output is a zero, its cotangent dropped
+      stats = lse_BxTxH.swapaxes(1, 2)
+      d_out_i = jnp.where(mine_BxT[:, :, None, None], d_out_BxTxHxE, 0).astype(d_out_BxTxHxE.dtype)
+    else:  # a packed call reads the output and its cotangent only inside its spans
+      stats, d_out_i = _lse_in_call_layout(lse_BxTxH, starts_BxM1[:, :-1]), d_out_BxTxHxE
+    call = _cudnn_bwd(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, out_BxTxHxE, stats, d_out_i, scale,
+                      window, starts_BxM1, lengths_BxM)
+    # cuDNN leaves the gradients outside the call's documents unwritten: they are dropped.
+    grads = [jnp.where(mine_BxT[:, :, None, None], g_i, g) for g_i, g in zip(call, grads)]
+  return (*grads, None)
+
+
+_cudnn_kept.defvjp(_cudnn_kept_fwd, _cudnn_kept_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -350,8 +416,8 @@ def attention_cudnn(q_BxTxHxE: jax.Array, k_BxSxGxE: jax.Array, v_BxSxGxE: jax.A
   if sinks_H is not None:
     return _cudnn_sinks(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, sinks_H,
                         max_documents, docs_per_call, window)
-  return _cudnn_rows(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, max_documents,
-                     docs_per_call, window, lse=False)[0]
+  return _cudnn_kept(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, max_documents,
+                     docs_per_call, window)
 
 
 def cudnn_applies(q_BxTxHxE: jax.Array) -> bool:

@@ -6,25 +6,30 @@ twice. Between the two, a policy keeps some (jax.checkpoint_policies):
 
   "none"     keep everything (no jax.checkpoint).
   "names"    keep the block's expensive values, tagged in llama.Block with checkpoint_name
-             (SAVED: the attention's query/key/value after RoPE and its output, the MLP's gate
-             and up projections); recompute the cheap ones (norms, RoPE, SiLU, residual adds)
-             and the attention's forward (its cuDNN statistics are not tagged).
+             (SAVED: the attention's query/key/value after RoPE, its output and log-normalisers,
+             the MLP's gate and up projections); recompute the cheap ones (norms, RoPE, SiLU,
+             residual adds).
   "dots"     keep the output of every matmul without batch dimensions (the projections) and
              recompute the rest, attention included.
-  "dots_attention"  as "dots", and keep cuDNN's attention outputs (output and log-normalisers,
-             by a policy on its forward primitive), so the backward does not rerun the
-             attention's forward (with the einsum attention: "dots"). Worth it where a row
-             takes one cuDNN call per layer (up to 2^18 positions per call, see
-             kdjax.models.attention): each call's output spans the whole row.
+  "dots_attention"  as "dots", and keep the attention's output and log-normalisers, so the
+             backward does not rerun the attention's forward.
+  "attention"  keep the block's input and the attention's output and log-normalisers; recompute
+             the rest (the projections, the MLP), not the attention: between "names" and "full"
+             in memory (per token d + H E values against "names"'s d + 2 H E + 2 G E + 2 F), and
+             the attention's forward is the costliest part of a block at long context (a third
+             of a 128K step's FLOPs, BENCHMARKS.md).
   "offload"  as "names", but the kept values wait in pinned host memory, not on the GPU: the
              copies overlap the compute when the link keeps up.
   "full"     keep only the block's input; recompute the whole block (activation memory ~ one
              block's working set, the smallest).
 
-Measured and dropped (BENCHMARKS.md, "Long rows"): the block's input offloaded to pinned host
-memory (a checkpoint_name on it, jax's Offloadable), and cuDNN's attention outputs kept beside
-the input alone: XLA planned both at twice "full"'s temporaries or more (at 128K, 8 cuDNN calls
-per layer, each keeping a whole row's output).
+The attention's output and log-normalisers are one array each per layer, whatever the number of
+cuDNN calls a row takes (kdjax.models.attention merges them and its backward reads the merged
+ones). Measured and dropped (BENCHMARKS.md, "Long rows"): the block's input offloaded to pinned
+host memory (a checkpoint_name on it, jax's Offloadable), and each cuDNN call's own output kept
+beside the input alone (by its forward primitive; at 128K, 8 calls a layer, each output a whole
+row's): XLA planned both at twice "full"'s temporaries or more. "attention" keeps the merged
+output instead, one a layer.
 
 Every policy computes the same loss and gradients (tests/test_models.py); which one is fastest
 and what each costs at the paper's shapes is measured in BENCHMARKS.md ("Rematerialisation").
@@ -38,15 +43,13 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
-POLICIES = ("none", "names", "dots", "dots_attention", "offload", "full")
+POLICIES = ("none", "names", "dots", "dots_attention", "attention", "offload", "full")
 CHOICES = POLICIES + ("auto",)
 # Fastest first, as measured on the H200 (BENCHMARKS.md, "Rematerialisation"); "auto" takes the
 # first that fits. "offload" is left out: slower than "full" there, and larger.
-AUTO_ORDER = ("none", "dots_attention", "dots", "names", "full")
-SAVED = ("query", "key", "value", "attention", "mlp_gate", "mlp_up")
-# The cuDNN attention's forward primitive (jax._src.cudnn, JAX 0.11): its outputs are what the
-# attention's backward reads besides q, k, v.
-CUDNN_ATTENTION_FWD = "dot_product_attention_fwd_wrapper"
+AUTO_ORDER = ("none", "dots_attention", "dots", "names", "attention", "full")
+SAVED = ("query", "key", "value", "attention", "attention_lse", "mlp_gate", "mlp_up")
+ATTENTION = ("attention", "attention_lse")  # what the attention's backward reads besides q, k, v
 
 
 def name(value_BxTx_: jax.Array, tag: str) -> jax.Array:
@@ -62,11 +65,6 @@ def normalize(remat) -> str:
   return remat
 
 
-def _dots_and_attention(prim, *args, **params) -> bool:
-  return (prim.name == CUDNN_ATTENTION_FWD
-          or jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params))
-
-
 def wrap(fn, remat: str):
   """fn (a block's call: module first, then arrays) under the policy; "none" returns fn."""
   if remat == "none":
@@ -78,7 +76,9 @@ def wrap(fn, remat: str):
       "full": policies.nothing_saveable,
       "names": policies.save_only_these_names(*SAVED),
       "dots": policies.dots_with_no_batch_dims_saveable,
-      "dots_attention": _dots_and_attention,
+      "dots_attention": policies.save_from_both_policies(
+          policies.dots_with_no_batch_dims_saveable, policies.save_only_these_names(*ATTENTION)),
+      "attention": policies.save_only_these_names(*ATTENTION),
       "offload": policies.save_and_offload_only_these_names(
           names_which_can_be_saved=[], names_which_can_be_offloaded=list(SAVED),
           offload_src="device", offload_dst="pinned_host"),
@@ -88,14 +88,17 @@ def wrap(fn, remat: str):
 
 def saved_bytes_per_token(cfg, policy: str) -> int:
   """A lower bound on the bytes one block keeps on the GPU per token for its backward pass under
-  policy, one of AUTO_ORDER (cfg: llama.ModelConfig): the values the policy keeps, in the compute dtype (the
-  block's internal temporaries come on top). remat "auto" skips a policy without planning it
-  when this bound times tokens and layers already exceeds the budget."""
+  policy, one of AUTO_ORDER (cfg: llama.ModelConfig): the values the policy keeps, in the compute
+  dtype, the attention's log-normalisers in float32 (the block's internal temporaries come on
+  top). remat "auto" skips a policy without planning it when this bound times tokens and layers
+  already exceeds the budget."""
   d, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
   f = cfg.d_ff * max(cfg.experts_per_token, 1)
+  lse = 4 * cfg.n_heads
   values = {"full": d,
+            "attention": d + q,  # input, attention
             "names": d + q + 2 * kv + q + 2 * f,  # input, q, k, v, attention, gate, up
             "dots": d + q + 2 * kv + d + 2 * f + d,  # input and every projection's output
             "dots_attention": d + q + 2 * kv + d + 2 * f + d + q,  # and the attention's output
             "none": d + q + 2 * kv + q + 3 * f}  # input, q, k, v, attention, gate, up, SiLU
-  return values[policy] * jnp.dtype(cfg.dtype).itemsize
+  return values[policy] * jnp.dtype(cfg.dtype).itemsize + (0 if policy in ("full", "dots") else lse)
