@@ -288,8 +288,9 @@ def _lse_in_call_layout(lse_BxTxH, starts_BxM):
   entries past a document's end, and absent documents, hold any value: cuDNN reads none)."""
   b, m = starts_BxM.shape
   t = lse_BxTxH.shape[1]
-  idx_BxMxT = jnp.clip(starts_BxM[:, :, None] + jnp.arange(t)[None, None], 0, t - 1)
-  lse_BxMxTxH = lse_BxTxH[jnp.arange(b)[:, None, None], idx_BxMxT]
+  idx_BxMxTx1 = jnp.clip(starts_BxM[:, :, None, None] + jnp.arange(t)[None, None, :, None], 0,
+                         t - 1)
+  lse_BxMxTxH = jnp.take_along_axis(lse_BxTxH[:, None], idx_BxMxTx1, axis=2)
   return lse_BxMxTxH.transpose(0, 1, 3, 2).reshape(b * m, -1, t)
 
 
