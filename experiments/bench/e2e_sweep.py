@@ -52,6 +52,12 @@ SWEEP = {
                 "--mem-fraction 0.92",
     "32k-dots_attention": "student --config configs/32k.py --docs 8 --steps 2 --memory --set "
                           "student.remat=dots_attention --mem-fraction 0.92",
+    # "names" keeps the attention's output and log-normalisers since f866861 (no second attention
+    # forward): where auto's order puts it against "dots" is to be measured.
+    "32k-names": "student --config configs/32k.py --docs 8 --steps 2 --memory --set "
+                 "student.remat=names --mem-fraction 0.92",
+    "32k-attention": "student --config configs/32k.py --docs 8 --steps 2 --memory --set "
+                     "student.remat=attention --mem-fraction 0.92",
     "32k-accum4": "student --config configs/32k.py --docs 8 --accum 4",
     "32k-1doc": "student --config configs/32k.py --docs 1 --accum 4",
     # The 128K step's single 46 GiB block of temporaries needs that much free in one piece: more
