@@ -57,7 +57,7 @@ def pytest_configure(config):
 HEAVY = {
     "test_attention.py": ("test_documents_in_several_cudnn_calls",
                           "test_einsum_attention_in_query_blocks",
-                          "test_one_document_rows_through_cudnn_with_sinks"),
+                          "test_one_document_rows_through_cudnn"),
     "test_evaluate.py": ("test_matches_dense_float64_reference",
                          "test_online_matches_dense_float64_reference"),
     "test_experiments.py": ("test_help",),
