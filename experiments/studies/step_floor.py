@@ -165,7 +165,9 @@ def main():
     best = lambda group: min(group, key=lambda m: sum(
         floor(cfg, policy, accum, tokens, *rates, fwd_s, fwd_bwd_s, m[1], m[2]).values()))
     cases.append(best([m for m in found if not m[2]]))
-    if any(m[2] for m in found):
+    every_layer = [m for m in found if m[2] and not m[1]]  # remat "attention" as it is
+    if every_layer:
+      cases.append(("remat attention, " + every_layer[0][0], 0, True))
       cases.append(best([m for m in found if m[2]]))
   for label, whole, keep in cases:
     parts = floor(cfg, policy, accum, tokens, *rates, fwd_s, fwd_bwd_s, whole, keep)
