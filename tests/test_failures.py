@@ -17,6 +17,9 @@ import pytest
 from tests.fixtures.stores import store_files
 from kdjax import cache, parallel, peers
 
+# one xdist worker runs the module: its module fixtures' runs are made once, not once a worker
+pytestmark = pytest.mark.xdist_group("test_failures")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN_STEPS = 3
 FAILURE_TIMEOUT_S = 30
