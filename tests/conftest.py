@@ -148,6 +148,19 @@ def module_rng(request, session_seed) -> np.random.Generator:
 pytest_plugins = ["tests.fixtures.loss_reference", "tests.fixtures.hf_side"]
 
 
+# --- Compiled programs shared by the kdjax.main runs of a test module ----------------------------
+
+
+@pytest.fixture(scope="module")
+def main_compile_cache(tmp_path_factory) -> tuple[list[str], dict[str, str]]:
+  """The flag and environment that make `python -m kdjax.main` runs share one folder of compiled
+  programs, every program kept however fast it compiled: most of a smoke run on CPU is
+  compiling, and a module's runs compile the same programs. One folder per module, so per
+  xdist worker (JAX writes its entries without a lock). Only process 0 of a run writes."""
+  path = tmp_path_factory.mktemp("compile_cache")
+  return [f"--config.compile_cache={path}"], {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
 # --- Sequence stores (the cache tests) ----------------------------------------------------------
 
 STORE_V, STORE_T, STORE_K = 300, 8, 5

@@ -74,6 +74,8 @@ def test_every_exception_names_a_script():
   assert set(IMPORT_ONLY) <= set(SCRIPTS)
 
 
+# One xdist worker runs the tests of every_script (a subprocess importing every script), not each.
+@pytest.mark.xdist_group("every_script")
 @pytest.mark.parametrize("name", WITH_HELP)
 def test_help(name, every_script):
   status, out = every_script[name]
@@ -81,6 +83,7 @@ def test_help(name, every_script):
   assert out.startswith("usage:"), out[:500]
 
 
+@pytest.mark.xdist_group("every_script")
 @pytest.mark.parametrize("name", sorted(IMPORT_ONLY))
 def test_imports(name, every_script):
   status, out = every_script[name]

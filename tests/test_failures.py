@@ -17,6 +17,9 @@ import pytest
 from tests.fixtures.stores import store_files
 from kdjax import cache, parallel, peers
 
+# one xdist worker runs the module: its module fixtures' runs are made once, not once a worker
+pytestmark = pytest.mark.xdist_group("test_failures")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN_STEPS = 3
 FAILURE_TIMEOUT_S = 30
@@ -36,14 +39,17 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def run_two(workdir, failpoint: str = "", stages=STAGES, armed=1) -> list[dict]:
-  """Both processes of one run; failpoint (KDJAX_CACHE_FAILPOINT) armed in process `armed`.
-  Returns each process's exit code, stderr and the time it ended."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", parallel.ENV_PROCESSES: "2",
+def run_two(workdir, compile_cache, failpoint: str = "", stages=STAGES, armed=1) -> list[dict]:
+  """Both processes of one run; failpoint (KDJAX_CACHE_FAILPOINT) armed in process `armed`;
+  compile_cache: the fixture main_compile_cache. Returns each process's exit code, stderr and
+  the time it ended."""
+  cache_args, cache_env = compile_cache
+  env = {**os.environ, **cache_env, "JAX_PLATFORMS": "cpu", parallel.ENV_PROCESSES: "2",
          parallel.ENV_COORDINATOR: f"localhost:{free_port()}"}
   env.pop("KDJAX_CACHE_FAILPOINT", None)
   procs = [subprocess.Popen(
-      [sys.executable, "-m", "kdjax.main", *ARGS, f"--config.workdir={workdir}", stages],
+      [sys.executable, "-m", "kdjax.main", *ARGS, *cache_args, f"--config.workdir={workdir}",
+       stages],
       cwd=ROOT, env={**env, parallel.ENV_PROCESS_ID: str(i),
                      **({"KDJAX_CACHE_FAILPOINT": failpoint} if i == armed and failpoint else {})},
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
@@ -71,14 +77,14 @@ def result(workdir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def unbroken(tmp_path_factory):
+def unbroken(tmp_path_factory, main_compile_cache):
   workdir = tmp_path_factory.mktemp("unbroken")
-  assert [p["rc"] for p in run_two(workdir)] == [0, 0]
+  assert [p["rc"] for p in run_two(workdir, main_compile_cache)] == [0, 0]
   return result(workdir)
 
 
-def assert_resumes(workdir, unbroken):
-  again = run_two(workdir)
+def assert_resumes(workdir, unbroken, compile_cache):
+  again = run_two(workdir, compile_cache)
   assert [p["rc"] for p in again] == [0, 0], again[0]["stderr"][-3000:]
   got = result(workdir)
   assert got["metrics"] == unbroken["metrics"]
@@ -90,11 +96,11 @@ def assert_resumes(workdir, unbroken):
 @pytest.mark.parametrize("failpoint, armed", [
     (f"step:{PRETRAIN_STEPS + 2}:kill", 1), ("batch:3:kill", 1), ("batch:3:kill", 0)],
     ids=["train", "cache", "coordinator"])
-def test_one_process_killed(tmp_path, unbroken, failpoint, armed):
+def test_one_process_killed(tmp_path, unbroken, main_compile_cache, failpoint, armed):
   """Process 1 killed at train's step 2 or at its third batch of the cache stage, or process 0
   (it holds the coordination service) at its third cache batch: the other names it and exits
   EXIT_LOST within 2 minutes; the same command resumes to the unbroken result."""
-  out = run_two(tmp_path, failpoint, armed=armed)
+  out = run_two(tmp_path, main_compile_cache, failpoint, armed=armed)
   killed, survivor = out[armed], out[1 - armed]
   assert killed["rc"] == -9
   assert survivor["rc"] == peers.EXIT_LOST, survivor["stderr"][-3000:]
@@ -105,29 +111,30 @@ def test_one_process_killed(tmp_path, unbroken, failpoint, armed):
   assert "Fatal Python" not in survivor["stderr"]  # no thread dumps
   if armed == 1:  # process 0 lost: jax.distributed's client logs its fatal error first (peers)
     assert "Check failure" not in survivor["stderr"]
-  assert_resumes(tmp_path, unbroken)
+  assert_resumes(tmp_path, unbroken, main_compile_cache)
 
 
 @pytest.mark.slow
-def test_sigterm_saves_the_same_step_everywhere(tmp_path, unbroken):
+def test_sigterm_saves_the_same_step_everywhere(tmp_path, unbroken, main_compile_cache):
   """SIGTERM to process 1 at train's step 2: both stop after the same step (proposed by process
   1, read by both), save it (one checkpoint, written by both), exit 130, and the same command
   resumes to the unbroken result."""
-  out = run_two(tmp_path, f"step:{PRETRAIN_STEPS + 2}:term")
+  out = run_two(tmp_path, main_compile_cache, f"step:{PRETRAIN_STEPS + 2}:term")
   assert [p["rc"] for p in out] == [130, 130], out[0]["stderr"][-3000:]
   saved = [[line.rsplit(" ", 1)[1] for line in p["stderr"].splitlines()
             if "student: interrupted; saved step" in line] for p in out]
   assert saved[0] == saved[1] and len(saved[0]) == 1, saved
   steps = sorted(int(d) for d in os.listdir(tmp_path / "student" / "ckpt") if d.isdigit())
   assert steps[-1] == int(saved[0][0]) < 8, steps
-  assert_resumes(tmp_path, unbroken)
+  assert_resumes(tmp_path, unbroken, main_compile_cache)
 
 
 @pytest.mark.slow
-def test_an_error_in_one_process_ends_the_other(tmp_path):
+def test_an_error_in_one_process_ends_the_other(tmp_path, main_compile_cache):
   """Process 1 fails on its own (an exception at its third cache batch): it exits 1 with its
   traceback, and process 0, wherever it waits for it, names it and exits EXIT_LOST."""
-  out = run_two(tmp_path, "batch:3:raise", "--config.stages=('data', 'pretrain', 'cache')")
+  out = run_two(tmp_path, main_compile_cache, "batch:3:raise",
+                "--config.stages=('data', 'pretrain', 'cache')")
   assert [p["rc"] for p in out] == [peers.EXIT_LOST, 1], out[0]["stderr"][-3000:]
   assert "FailpointError" in out[1]["stderr"]
   last = out[0]["stderr"].strip().splitlines()[-1]
@@ -135,9 +142,10 @@ def test_an_error_in_one_process_ends_the_other(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_stalled_process_is_named(tmp_path):
+def test_a_stalled_process_is_named(tmp_path, main_compile_cache):
   """Process 1 sleeps 2 s before each of its training batches: process 0's log lines name it."""
-  out = run_two(tmp_path, "step:1:stall", "--config.stages=('data', 'pretrain')")
+  out = run_two(tmp_path, main_compile_cache, "step:1:stall",
+                "--config.stages=('data', 'pretrain')")
   assert [p["rc"] for p in out] == [0, 0], out[0]["stderr"][-3000:]
   lines = [line for line in out[0]["stderr"].splitlines() if "teacher step" in line]
   assert lines and all("slowest: process 1 waited" in line for line in lines[1:]), lines
@@ -146,13 +154,13 @@ def test_a_stalled_process_is_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_in_the_cache_stops_every_process(tmp_path, unbroken):
+def test_sigterm_in_the_cache_stops_every_process(tmp_path, unbroken, main_compile_cache):
   """SIGTERM to process 1 at its third cache batch: process 1 stops before its next region,
   process 0 before its next region or in the barrier after its last; both exit 130 with the
   cache unfinished, and the same command resumes to the unbroken result."""
-  out = run_two(tmp_path, "batch:3:term")
+  out = run_two(tmp_path, main_compile_cache, "batch:3:term")
   assert [p["rc"] for p in out] == [130, 130], out[0]["stderr"][-3000:] + out[1]["stderr"][-3000:]
   assert all("Traceback" not in p["stderr"] for p in out)
   store = cache.open(str(tmp_path / "cache" / "train.zarr"), allow_partial=True)
   assert store.missing(1, 2), "process 1 went on after SIGTERM"
-  assert_resumes(tmp_path, unbroken)
+  assert_resumes(tmp_path, unbroken, main_compile_cache)

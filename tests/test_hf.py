@@ -22,6 +22,9 @@ from kdjax.models import hf
 from kdjax.models.llama import ModelConfig, Transformer
 from kdjax.models.rope import inv_freq as rope_inv_freq
 
+# one xdist worker runs the module: its module fixtures' side-venv calls are made once, not
+# once a worker
+pytestmark = pytest.mark.xdist_group("test_hf")
 PARITY = ("llama3_untied", "llama_tied", "qwen3", "qwen3_moe", "qwen3_moe_norm", "gpt_oss")
 
 

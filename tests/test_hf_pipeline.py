@@ -14,7 +14,9 @@ import pytest
 
 from kdjax.models import hf
 
-pytestmark = pytest.mark.slow  # whole runs in subprocesses: not in the fast subset
+# whole runs in subprocesses: not in the fast subset; one xdist worker runs the module, so its
+# module fixtures' runs are made once, not once a worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_hf_pipeline")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

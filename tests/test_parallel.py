@@ -289,7 +289,10 @@ def test_every_stage_under_two_processes(tmp_path):
   proc = subprocess.run(
       ["bash", "launch/multiprocess.sh", "--config=configs/demo.py:smoke",
        f"--config.workdir={tmp_path}", "--config.mesh.tensor=2",
-       "--config.cache.teacher_devices=all", f"--config.stages={stages!r}"],
+       "--config.cache.teacher_devices=all", f"--config.stages={stages!r}",
+       # a fifth of the smoke demo's text, as under mesh shapes below: each teacher batch of the
+       # cache stage is a collective between the processes
+       "--config.data.max_bytes=60000"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   done = [json.loads(line)["stage"] for line in open(tmp_path / "stages.jsonl")]

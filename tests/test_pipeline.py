@@ -7,25 +7,33 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # whole runs in subprocesses: not in the fast subset
+# whole runs in subprocesses: not in the fast subset; one xdist worker runs the module, so its
+# module fixtures' runs are made once, not once a worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_pipeline")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_main(config: str, workdir, *overrides, check=True):
-  out = subprocess.run(
-      [sys.executable, "-m", "kdjax.main", f"--config={ROOT}/configs/{config}",
-       f"--config.workdir={workdir}", *overrides],
-      capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+def main_command(config: str, workdir, *overrides, compile_cache=((), {})):
+  """The command and environment of a run; compile_cache: the fixture main_compile_cache."""
+  cache_args, cache_env = compile_cache
+  return ([sys.executable, "-m", "kdjax.main", f"--config={ROOT}/configs/{config}",
+           f"--config.workdir={workdir}", *cache_args, *overrides],
+          {**os.environ, **cache_env, "JAX_PLATFORMS": "cpu"})
+
+
+def run_main(config: str, workdir, *overrides, check=True, compile_cache=((), {})):
+  cmd, env = main_command(config, workdir, *overrides, compile_cache=compile_cache)
+  out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
   if check and out.returncode != 0:
     raise AssertionError(f"kdjax.main failed:\n{out.stderr[-4000:]}")
   return out
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
+def demo_run(tmp_path_factory, main_compile_cache):
   workdir = tmp_path_factory.mktemp("demo")
-  out = run_main("demo.py:smoke", workdir)
+  out = run_main("demo.py:smoke", workdir, compile_cache=main_compile_cache)
   return workdir, out
 
 
@@ -74,7 +82,8 @@ def test_long_context_smoke_config_runs(tmp_path):
   assert any((tmp_path / "w" / "compile_cache").iterdir())
 
 
-def test_training_killed_by_sigkill_resumes_to_the_same_result(demo_run, tmp_path):
+def test_training_killed_by_sigkill_resumes_to_the_same_result(demo_run, tmp_path,
+                                                               main_compile_cache):
   """kill -9 mid-training, run the same command again: identical metrics and evaluation."""
   import shutil
   import signal
@@ -87,12 +96,11 @@ def test_training_killed_by_sigkill_resumes_to_the_same_result(demo_run, tmp_pat
     for part in ("data", "cache", "teacher"):  # done: only training and evaluation run
       shutil.copytree(done / part, workdir / part)
     runs[name] = workdir
-  run_main("demo.py:smoke", runs["straight"], *args)
+  run_main("demo.py:smoke", runs["straight"], *args, compile_cache=main_compile_cache)
 
-  cmd = [sys.executable, "-m", "kdjax.main", f"--config={ROOT}/configs/demo.py:smoke",
-         f"--config.workdir={runs['killed']}", *args]
-  proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  cmd, env = main_command("demo.py:smoke", runs["killed"], *args, compile_cache=main_compile_cache)
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
   ckpt = runs["killed"] / "student" / "ckpt"
   deadline = time.time() + 300
   while not (ckpt / "8").exists() and proc.poll() is None and time.time() < deadline:
@@ -100,7 +108,7 @@ def test_training_killed_by_sigkill_resumes_to_the_same_result(demo_run, tmp_pat
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   assert not (ckpt / "24").exists(), "the run finished before it could be killed"
-  run_main("demo.py:smoke", runs["killed"], *args)
+  run_main("demo.py:smoke", runs["killed"], *args, compile_cache=main_compile_cache)
 
   straight = json.load(open(runs["straight"] / "eval.json"))["student"]
   resumed = json.load(open(runs["killed"] / "eval.json"))["student"]
