@@ -116,11 +116,14 @@ def test_documents_in_several_cudnn_calls(cudnn_on_cpu, per_call, window, sinks)
 def test_one_document_rows_through_cudnn(cudnn_on_cpu, sinks):
   """Rows of one document take cuDNN's whole-row causal call, its [B, H, T] log-normalisers
   (sinks from them; the backward pass reads them), padding after the document: output and
-  gradients equal the einsum reference's."""
+  gradients equal the einsum reference's. The padding's queries are large: the whole-row
+  backward reads their rows too, so their log-normalisers must be their own (with 0 in their
+  place, exp(score) overflows and inf * 0 reaches the real keys' gradients as NaN)."""
   rng = np.random.default_rng(0)
   seg = jnp.asarray((np.arange(19)[None] < np.array([[19], [15]])).astype(np.int32))
   q, k, v, cot = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
                   for shape in ((2, 19, 4, 8), (2, 19, 2, 8), (2, 19, 2, 8), (2, 19, 4, 8)))
+  q = q.at[1, 15:].multiply(1000.0)
   sinks_H = jnp.asarray(rng.standard_normal(4), jnp.float32) if sinks else None
   (got, got_vjp), (want, want_vjp) = (jax.vjp(fn, q, k, v) for fn in (
       lambda *x: attention.attention_cudnn(*x, seg, 1, None, sinks_H, 5),

@@ -318,7 +318,8 @@ def _calls(segment_ids_BxT: jax.Array, max_documents: int, docs_per_call: int | 
 def _cudnn_rows(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, max_documents: int,
                 docs_per_call: int | None, window: int, lse: bool):
   """attention_cudnn's forward without sinks: (out [B, T, H, E], log-normalisers [B, T, H] or
-  None), each position's from its call (zeros at padding)."""
+  None), each position's from its call (out zeros at padding; lse zeros at padding of packed
+  rows, the causal call's own at padding of whole rows)."""
   b, t, h, e = q_BxTxHxE.shape
   scale = 1.0 / math.sqrt(e)
   out_BxTxHxE = jnp.zeros_like(q_BxTxHxE)
@@ -327,9 +328,13 @@ def _cudnn_rows(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, segment_ids_BxT, max_documents:
                                                            docs_per_call):
     out = _cudnn(q_BxTxHxE, k_BxSxGxE, v_BxSxGxE, scale, window, lse, starts_BxM1, lengths_BxM)
     out_BxTxHxE = jnp.where(mine_BxT[:, :, None, None], out[0] if lse else out, out_BxTxHxE)
-    if lse:
-      lse_i = (out[1].swapaxes(1, 2) if starts_BxM1 is None else
-               _lse_at_positions(out[1], starts_BxM1[:, :-1], doc_BxT))
+    if lse and starts_BxM1 is None:
+      # Whole rows: every position's own, padding's too. The backward call reads every row, and
+      # a padding query's probabilities exp(score - lse) must stay <= 1: with 0 for its lse
+      # they overflow, and inf * 0 reaches the real keys' gradients as NaN.
+      lse_BxTxH = out[1].swapaxes(1, 2)
+    elif lse:
+      lse_i = _lse_at_positions(out[1], starts_BxM1[:, :-1], doc_BxT)
       lse_BxTxH = jnp.where(mine_BxT[:, :, None], lse_i, lse_BxTxH)
   return out_BxTxHxE.astype(q_BxTxHxE.dtype), lse_BxTxH
 
