@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from kdjax.models import attention
-from tests.fixtures.cudnn_on_cpu import cudnn_on_cpu  # noqa: F401 (a fixture)
+from tests.fixtures.cudnn_on_cpu import (  # noqa: F401 (fixtures)
+    cudnn_calls_for_cuda, cudnn_lowers_on_cpu, cudnn_on_cpu)
 
 
 def attention_reference(q, k, v, seg, sinks=None, window=0):
@@ -133,23 +134,23 @@ def test_one_document_rows_through_cudnn(cudnn_on_cpu, sinks):
 
 
 @pytest.mark.parametrize("max_documents,per_call,calls", [(1, None, 1), (3, 2, 2)])
-def test_the_real_cudnn_backward_lowers_for_cuda(monkeypatch, max_documents, per_call, calls):
-  """The kept backward binds jax._src.cudnn's private backward primitive itself. With only the
-  forward on its CPU stand-in (the real one needs cuDNN to trace), the real binding traces and
-  lowers for CUDA without a GPU, one cuDNN backward call per forward call: a change in the
-  primitive's signature when the JAX pin moves fails here first."""
-  from tests.fixtures.cudnn_on_cpu import spans_attention_leaving_garbage
-  monkeypatch.setattr(attention, "_cudnn", spans_attention_leaving_garbage)
+@pytest.mark.parametrize("sinks", [False, True])
+def test_the_real_cudnn_calls_lower_for_cuda(cudnn_lowers_on_cpu, max_documents, per_call, calls,
+                                             sinks):
+  """JAX's real cuDNN calls, and the backward primitive kdjax binds itself, trace and lower for
+  CUDA on CPU: one backward per forward call (none with sinks: their backward is the einsum
+  reference's). A change in the private primitive's signature when the JAX pin moves fails here
+  first."""
   seg = np.zeros((2, 64), np.int32)
   seg[0, :10], seg[0, 10:30], seg[0, 30:50], seg[1] = 1, 2, 3, 1
   seg = jnp.asarray(seg if max_documents > 1 else seg > 0, jnp.int32)
   q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
   k = jnp.zeros((2, 64, 2, 64), jnp.bfloat16)
-  loss = lambda q, k, v: jnp.sum(attention.attention_cudnn(q, k, v, seg, max_documents,
-                                                           per_call).astype(jnp.float32))
-  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert text.count("custom_call @__cudnn$fmhaSoftmaxBackward") == calls
+  sinks_H = jnp.zeros(4, jnp.float32) if sinks else None
+  loss = lambda q, k, v: jnp.sum(attention.attention_cudnn(
+      q, k, v, seg, max_documents, per_call, sinks_H).astype(jnp.float32))
+  got = cudnn_calls_for_cuda(jax.value_and_grad(loss, argnums=(0, 1, 2)), q, k, k)
+  assert got == (calls, 0 if sinks else calls)
 
 
 @pytest.mark.parametrize("window,sinks,bands", [(0, False, 8), (0, True, 3), (3, True, 8),

@@ -12,7 +12,8 @@ from flax import nnx
 from kdjax import config
 from kdjax.models import attention, llama, remat, rope
 from kdjax.models.llama import ModelConfig, Transformer
-from tests.fixtures.cudnn_on_cpu import cudnn_on_cpu, forward_calls  # noqa: F401 (a fixture)
+from tests.fixtures.cudnn_on_cpu import (  # noqa: F401 (fixtures)
+    cudnn_calls_for_cuda, cudnn_lowers_on_cpu, cudnn_on_cpu)
 
 B, T = 2, 12
 
@@ -147,16 +148,19 @@ def test_every_remat_policy_gives_the_loss_and_gradients_of_none(policy, family,
 @pytest.mark.parametrize("policy,calls", [("none", 1), ("full", 2), ("dots", 2), ("names", 1),
                                           ("dots_attention", 1), ("attention", 1),
                                           ("offload", 1)])
-def test_which_policies_rerun_the_attentions_forward(policy, calls, cudnn_on_cpu):
+def test_which_policies_rerun_the_attentions_forward(policy, calls, cudnn_lowers_on_cpu):
   """The policies that keep the attention's output and log-normalisers never run its forward
-  again in the backward pass: per cuDNN call, the gradient's program holds `calls` forwards."""
+  again in the backward pass: the gradient's program, with JAX's real cuDNN calls lowered for
+  CUDA, holds `calls` cuDNN forwards per layer and one backward."""
   tokens, positions, _ = inputs(seed=3)
   segment_ids = jnp.asarray(np.repeat([[1] * 5 + [2] * 4 + [0] * 3], B, 0), jnp.int32)
-  model = Transformer(make_cfg(remat=policy, attention_impl="cudnn"), rngs=nnx.Rngs(0))
+  model = Transformer(make_cfg(remat=policy, attention_impl="cudnn", dtype="bfloat16"),
+                      rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
-  loss = lambda s: jnp.sum(jnp.sin(nnx.merge(graphdef, s)(tokens, positions, segment_ids, 2)))
-  program = jax.make_jaxpr(jax.grad(loss))(state)
-  assert forward_calls(program.jaxpr) == calls * model.cfg.n_layers
+  loss = lambda s: jnp.sum(jnp.sin(
+      nnx.merge(graphdef, s)(tokens, positions, segment_ids, 2).astype(jnp.float32)))
+  n = model.cfg.n_layers
+  assert cudnn_calls_for_cuda(jax.grad(loss), state) == (calls * n, n)
 
 
 def test_remat_reads_the_old_switch_and_refuses_unknown_policies():
