@@ -1,0 +1,209 @@
+"""XLA's memory plan of the student's training step for one H200, made on a machine without a GPU.
+
+    KDJAX_EXTRAS=gpu bash launch/setup.sh     # JAX's CUDA plugin: XLA's GPU compiler, no GPU used
+    .venv/bin/python experiments/studies/plan_on_cpu.py --config configs/128k.py --docs 16 \
+        --policies full,attention,names
+
+For each remat policy, the micro-batch program (`train.grad_step`, the program remat "auto"
+plans with: kdjax/remat_auto.py) compiled for the H200 through JAX's deviceless ahead-of-time
+path (`jax.experimental.topologies` with the H200's target config: XLA's own GPU compiler, cuDNN's
+attention and the Pallas loss head included), and what auto would decide: the resident arrays
+(train state, gradient sum, micro-batch) plus XLA's temporaries, against MARGIN of the budget
+(the H200's allocation limit at the config's mesh.memory_fraction, or opt.memory_gib). The
+optimizer's program (`apply_step`) is planned once. Nothing runs, so there is no step time,
+and cuDNN's attention calls get no workspace (cuDNN sizes it on the device: u8[0] here): a plan's
+temporaries are below the H200's own by up to that workspace and a few GiB (0.05-0.1 GiB at 8K
+one row, 2.6 at 8K two rows, 3.9 at 32K, 8.9 at 128K on 2026-12-05; the script prints the H200's
+plan beside its own wherever experiments/results/e2e.jsonl has one at the same shapes). Lines go
+to experiments/results/plans.jsonl.
+
+Model weights are never made (shapes only); the micro-batch is one synthetic row set of the
+config's shape (experiments/bench/synthetic_rows.py), written to --dir.
+"""
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+# Before JAX loads: its CUDA plugin registers XLA's GPU compiler without looking for a GPU, and
+# the only backend is the CPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.join(ROOT, "experiments", "bench"), ROOT]
+from e2e_bench import load_config  # noqa: E402
+from synthetic_rows import docs_arg, synthetic_cache  # noqa: E402
+from kdjax import build, remat_auto, train  # noqa: E402
+from kdjax.models import attention, llama, remat  # noqa: E402
+
+RESULTS = os.path.join(ROOT, "experiments", "results", "plans.jsonl")
+GIB = 2**30
+# The H200 as XLA describes it (XLA's target-config specs, h200.txtpb, the fields JAX 0.11.2's XLA
+# reads) and the allocation limit JAX reports on it at a memory fraction f: f x H200_USABLE
+# (127.9 GiB at 0.92, BENCHMARKS.md).
+H200_TARGET = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 151397597184 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 10 }
+device_description_str: "NVIDIA H200 141GB HBM3e"
+"""
+H200_USABLE = 127.9 / 0.92 * GIB
+H200_SMS = 132
+
+
+def as_gpu_program():
+  """kdjax traced as on the GPU: its GPU paths chosen (cuDNN attention, the Pallas loss head and
+  their kernel sizes), and JAX's cuDNN checks answered as on a Hopper GPU with cuDNN 9.10. Only
+  tracing and compiling follow; nothing runs."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_sdpa
+  from kdjax.kernels import grouped, mgpu
+  jax.default_backend = lambda: "gpu"
+  cudnn_sdpa.check_compute_capability = lambda capability: True
+  cudnn_sdpa.is_cuda_compute_capability_equal = lambda capability: False
+  mgpu._num_sms = grouped._num_sms = lambda: H200_SMS
+
+
+def h200_sharding() -> NamedSharding:
+  try:
+    topology = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET,
+                                            topology="1x1x1")
+  except NotImplementedError:  # no CUDA plugin: no GPU compiler
+    sys.exit("plan_on_cpu.py: XLA's GPU compiler comes with JAX's CUDA plugin, not installed "
+             "here: KDJAX_EXTRAS=gpu bash launch/setup.sh")
+  return NamedSharding(topologies.make_mesh(topology, (1,), ("d",)), PartitionSpec())
+
+
+def on_h200(tree, sharding):
+  """tree's arrays as shapes placed on the deviceless H200 (host memory kept where they had it)."""
+  def one(x):
+    kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding.with_memory_kind(kind)
+                                if kind == "pinned_host" else sharding)
+  return jax.tree.map(one, tree)
+
+
+def device_bytes(tree) -> int:
+  """Bytes of tree's arrays in GPU memory (host-memory ones, opt.state_memory "host", not)."""
+  return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+             if x.sharding.memory_kind != "pinned_host")
+
+
+def plan_of(lowered) -> dict:
+  m = lowered.compile().memory_analysis()
+  return {key: getattr(m, f"{key}_size_in_bytes") / GIB
+          for key in ("argument", "output", "alias", "temp")}
+
+
+def measured_plans(seq_len: int, docs, rows: int) -> dict:
+  """The latest H200 plan of grad_step per policy at these shapes, from e2e.jsonl."""
+  found = {}
+  path = os.path.join(ROOT, "experiments", "results", "e2e.jsonl")
+  for line in open(path):
+    r = json.loads(line)
+    if (r.get("kind") == "student" and "grad_step" in r.get("plan_gib", {}) and r.get("remat")
+        and r.get("seq_len") == seq_len and str(r.get("docs_per_row")) == str(docs)
+        and r.get("batch_size") == rows):
+      found[r["remat"]] = r["plan_gib"]["grad_step"]["temp"]
+  return found
+
+
+def commit() -> str:
+  return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                        text=True).stdout.strip()
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--config", default=os.path.join(ROOT, "configs", "8k.py"))
+  p.add_argument("--docs", type=docs_arg, default=4, help="documents per row, or 'stdlib'")
+  p.add_argument("--policies", default=",".join(remat.AUTO_ORDER),
+                 help="comma-separated remat policies (default: auto's order)")
+  p.add_argument("--set", action="append", default=[], help="group.field=value")
+  p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "kdjax_plan"))
+  p.add_argument("--out", default=RESULTS)
+  args = p.parse_args()
+
+  c = load_config(args.config, args.set)
+  as_gpu_program()
+  sharding = h200_sharding()
+  seq_len, rows = c.data.seq_len, c.opt.batch_size
+  model_cfg = build.model_config(c.student, c.teacher.vocab_size or 128256)
+  store = synthetic_cache(os.path.join(args.dir, f"plan_{seq_len}_{rows}_{args.docs}"),
+                          np.random.default_rng(0), rows=rows, seq_len=seq_len, docs=args.docs,
+                          vocab=model_cfg.vocab_size, k=c.cache.k, layout=c.cache.layout)
+  max_documents = attention.store_documents_bound(store)
+  micro = {k: v[0] for k, v in train.to_step_batch(store.read(np.arange(rows)), 1, False).items()}
+
+  tx, _ = train.make_optimizer(c.opt)
+  loss = train.LossSettings.from_config(c.loss, False)
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: llama.Transformer(model_cfg,
+                                                                         rngs=nnx.Rngs(0))))
+  state, grads_sum = jax.eval_shape(functools.partial(train.init_state, tx=tx, opt_cfg=c.opt),
+                                    params)
+  state, grads_sum, micro = on_h200((state, grads_sum, micro), sharding)
+  fixed = device_bytes((state, grads_sum, micro))
+  fraction = c.mesh.memory_fraction
+  budget = c.opt.memory_gib * GIB if c.opt.memory_gib else fraction * H200_USABLE
+  measured = measured_plans(seq_len, args.docs, rows)
+  print(f"H200 plan, {rows} x {seq_len} tokens per micro-batch, {args.docs} documents a row "
+        f"(bound {max_documents}); resident {fixed / GIB:.2f} GiB; budget {budget / GIB:.1f} GiB "
+        f"(fits at {remat_auto.MARGIN:.0%}: {remat_auto.MARGIN * budget / GIB:.1f})", flush=True)
+
+  base = {"date": datetime.date.today().isoformat(), "commit": commit(),
+          "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
+          "device": "H200 (deviceless compile on CPU)", "seq_len": seq_len, "batch_size": rows,
+          "docs_per_row": args.docs, "max_documents": max_documents,
+          "resident_gib": fixed / GIB, "budget_gib": budget / GIB}
+  lines = []
+  _, metrics = jax.eval_shape(functools.partial(
+      train.grad_step, graphdef=graphdef, loss=loss, max_documents=max_documents),
+      train.trained(state), grads_sum, micro)
+  t0 = time.perf_counter()
+  apply_plan = plan_of(train.apply_step.lower(state, grads_sum, [metrics] * c.opt.accum_steps,
+                                              tx=tx, state_memory=c.opt.state_memory))
+  print(f"apply_step: temporaries {apply_plan['temp']:.2f} GiB ({time.perf_counter() - t0:.0f} s)",
+        flush=True)
+  for policy in args.policies.split(","):
+    g, cfg = remat_auto.with_policy(graphdef, model_cfg, policy)
+    kept = remat.saved_bytes_per_token(cfg, policy) * rows * seq_len * cfg.n_layers
+    t0 = time.perf_counter()
+    plan = plan_of(train.grad_step.lower(train.trained(state), grads_sum, micro, graphdef=g,
+                                         loss=loss, max_documents=max_documents))
+    need = fixed / GIB + plan["temp"]
+    fits = need * GIB <= remat_auto.MARGIN * budget
+    was = measured.get(policy)
+    print(f"{policy:>15}: temporaries {plan['temp']:7.2f} GiB (kept values, lower bound "
+          f"{kept / GIB:.2f}), needs {need:7.2f}: {'fits' if fits else 'does not fit'}"
+          + (f"; the H200's own plan {was:.2f}" if was is not None else "")
+          + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+    lines.append({**base, "remat": policy, "grad_step_gib": plan, "apply_step_gib": apply_plan,
+                  "need_gib": need, "fits": fits, "h200_temp_gib": was})
+  if args.out:
+    with open(args.out, "a") as f:
+      for line in lines:
+        f.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+  main()
