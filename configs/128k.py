@@ -3,9 +3,11 @@
     python -m kdjax.main --config=configs/128k.py --config.teacher.hf_path=PATH \
         --config.data.tokenizer=PATH --config.data.source=data.jsonl
 
-Needs and prints what configs/8k.py does (one H200). remat auto takes "full" here (the only
-policy that fits; its planning ~3 min); one 128K row per micro-batch, 9.0-9.3 s each on the H200
-(BENCHMARKS.md, "Current numbers"). CPU variant: --config=configs/128k.py:smoke
+Needs and prints what configs/8k.py does (one H200). remat auto plans "attention" here (the
+attention's output kept once per layer; XLA's plan made on CPU fits, experiments/studies/
+plan_on_cpu.py; not yet timed on the GPU; its planning a few minutes); "full", which auto took
+before, ran one 128K row per micro-batch in 9.0-9.3 s on the H200 (BENCHMARKS.md, "Current
+numbers"): --config.student.remat=full. CPU variant: --config=configs/128k.py:smoke
 """
 from kdjax import recipes
 
