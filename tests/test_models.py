@@ -1,5 +1,6 @@
 """Model invariants: shapes, causality, document isolation, padding, remat, jit, GQA, tying, bf16,
 RoPE scaling, config validation and FLOPs (attention itself: test_attention.py)."""
+import collections
 import dataclasses
 
 import jax
@@ -161,6 +162,42 @@ def test_which_policies_rerun_the_attentions_forward(policy, calls, cudnn_lowers
       nnx.merge(graphdef, s)(tokens, positions, segment_ids, 2).astype(jnp.float32)))
   n = model.cfg.n_layers
   assert cudnn_calls_for_cuda(jax.grad(loss), state) == (calls * n, n)
+
+
+def projections_in(jaxpr, weight_shapes, found=None) -> collections.Counter:
+  """(input shape, weight shape) of every dot_general of jaxpr (sub-jaxprs included) whose right
+  operand has a weight's shape: the projections it runs, forward and backward."""
+  found = collections.Counter() if found is None else found
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general" and tuple(eqn.invars[1].aval.shape) in weight_shapes:
+      found[tuple(eqn.invars[0].aval.shape), tuple(eqn.invars[1].aval.shape)] += 1
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else [value]:
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          projections_in(sub, weight_shapes, found)
+  return found
+
+
+@pytest.mark.parametrize("policy", remat.POLICIES)
+def test_rerun_matmul_params_are_those_of_the_gradients_program(policy, cudnn_on_cpu):
+  """remat.rerun_matmul_params_per_layer (the step floor's count) is what the gradient's program
+  runs again: the weights of the projections it holds beyond remat "none"'s, per layer."""
+  tokens, positions, _ = inputs(seed=3)
+  segment_ids = jnp.asarray(np.repeat([[1] * 5 + [2] * 4 + [0] * 3], B, 0), jnp.int32)
+
+  def projections(remat_policy):
+    model = Transformer(make_cfg(remat=remat_policy, attention_impl="cudnn", d_ff=48),
+                        rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    loss = lambda s: jnp.sum(nnx.merge(graphdef, s)(tokens, positions, segment_ids, 2))
+    weights = {tuple(x.shape) for x in jax.tree.leaves(state) if x.ndim >= 2}
+    return model.cfg, projections_in(jax.make_jaxpr(jax.grad(loss))(state).jaxpr, weights)
+
+  cfg, got = projections(policy)
+  extra = got - projections("none")[1]
+  rerun = sum(int(np.prod(weight)) * count for (_, weight), count in extra.items())
+  assert rerun == remat.rerun_matmul_params_per_layer(cfg, policy) * cfg.n_layers, extra
 
 
 def test_remat_reads_the_old_switch_and_refuses_unknown_policies():

@@ -11,8 +11,10 @@ The step as measured last (experiments/results/e2e.jsonl's latest line named --r
 policy, rows per micro-batch, memory). Its floor counts only the work that must run, each part at
 the best rate measured for it on the GPU or the GPU's peak, and nothing else (no gaps, no loss
 head softmax, no gradient sums, no kernel above its best rate: all of them only add):
-  * matmuls: the blocks' projections forward and backward (6 N_blocks FLOPs per token; 8 where
-    the policy recomputes them, "full"), the lm_head forward and backward (6 d V), at
+  * matmuls: the blocks' projections forward and backward (6 N_blocks FLOPs per token; 2 more
+    per parameter the policy's backward runs through again, remat.rerun_matmul_params_per_layer:
+    all but the MLP's down under "full" and "attention", the attention's output projection under
+    "names"), the lm_head forward and backward (6 d V), at
     --gemm-tflops (790: what this H200's bf16 GEMMs reach, the issue's figure; the 128K
     profile's own ran at ~776);
   * attention: each layer's forward (twice where the policy reruns it: "full", "dots") and its
@@ -65,8 +67,7 @@ def best_attention(lines_, seq_len, rows, docs):
   return best["fwd_ms"] / 1e3, best["fwd_bwd_ms"] / 1e3
 
 
-RERUN_MATMULS = ("full", "attention")  # policies that recompute the projections in the backward
-RERUN_ATTENTION = ("full", "dots")  # ... and the attention's forward
+RERUN_ATTENTION = ("full", "dots")  # policies that rerun the attention's forward
 
 
 def elementwise_elements(cfg) -> tuple[int, int]:
@@ -88,12 +89,14 @@ def floor(cfg, policy, micro_batches, tokens, gemm_flops_per_s, hbm_bytes_per_s,
   d, n = cfg.d_model, cfg.n_layers
   block = llama.matmul_params_per_layer(cfg)
   rerun = 0 if policy == "none" else n - whole_layers  # layers whose forward runs again
-  passes = 6 * n + (2 * rerun if policy in RERUN_MATMULS else 0)  # fwd 2, bwd 4 per layer
+  # fwd 2, bwd 4 FLOPs a parameter; 2 more for each the policy's backward runs through again
+  rerun_params = remat.rerun_matmul_params_per_layer(cfg, policy)
   attention_reruns = rerun if policy in RERUN_ATTENTION and not keep_attention else 0
   fwd_el, bwd_el = elementwise_elements(cfg)
   params = n * block + 2 * d * cfg.output_vocab_size  # and the embedding
   return {
-      "matmuls": (passes * block + 6 * d * cfg.output_vocab_size) * tokens / gemm_flops_per_s,
+      "matmuls": ((6 * n * block + 2 * rerun * rerun_params + 6 * d * cfg.output_vocab_size)
+                  * tokens / gemm_flops_per_s),
       "attention": micro_batches * (n * fwd_bwd_s + attention_reruns * fwd_s),
       "elementwise": ((n * (fwd_el + bwd_el) + rerun * fwd_el) * 2 * tokens
                       / hbm_bytes_per_s),
