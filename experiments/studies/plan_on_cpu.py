@@ -17,6 +17,11 @@ one row, 2.6 at 8K two rows, 3.9 at 32K, 8.9 at 128K on 2026-12-05; the script p
 plan beside its own wherever experiments/results/e2e.jsonl has one at the same shapes). Lines go
 to experiments/results/plans.jsonl.
 
+With --kernels N, also the kernels of each policy's program as XLA compiled it, by kind (GEMMs,
+XLA's elementwise and reduction fusions, cuDNN's calls, the Pallas loss head), with the bytes
+their operands and results hold, per micro-batch, and the N largest elementwise fusions: the
+bytes a kernel must move, not its time.
+
 Model weights are never made (shapes only); the micro-batch is one synthetic row set of the
 config's shape (experiments/bench/synthetic_rows.py), written to --dir.
 """
@@ -26,6 +31,7 @@ import datetime
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -70,6 +76,7 @@ device_description_str: "NVIDIA H200 141GB HBM3e"
 """
 H200_USABLE = 127.9 / 0.92 * GIB
 H200_SMS = 132
+HBM_TBPS = 4.8  # the H200's HBM3e peak: GB / HBM_TBPS = ms
 
 
 def as_gpu_program():
@@ -109,10 +116,82 @@ def device_bytes(tree) -> int:
              if x.sharding.memory_kind != "pinned_host")
 
 
-def plan_of(lowered) -> dict:
-  m = lowered.compile().memory_analysis()
-  return {key: getattr(m, f"{key}_size_in_bytes") / GIB
-          for key in ("argument", "output", "alias", "temp")}
+def plan_of(lowered) -> tuple[dict, str]:
+  """(XLA's memory plan in GiB, the optimised HLO) of a lowered program, compiled for the H200."""
+  compiled = lowered.compile()
+  m = compiled.memory_analysis()
+  return ({key: getattr(m, f"{key}_size_in_bytes") / GIB
+           for key in ("argument", "output", "alias", "temp")}, compiled.as_text())
+
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+               "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\]")
+INSTRUCTION = re.compile(r"(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
+
+
+def shape_bytes(text: str) -> int:
+  return sum(DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+             for dtype, dims in SHAPE.findall(text))
+
+
+def kernels(hlo: str) -> list[tuple[str, int, str, int]]:
+  """(kind, bytes, name, launches) of each kernel of an optimised HLO module, loop bodies once per trip:
+  kind is "gemm" (cuBLAS or Triton GEMM fusions), XLA's other fusions by kind (kLoop, kInput:
+  elementwise and reductions), or a custom call's target (cuDNN's attention, Mosaic GPU's loss
+  head); bytes: its operands and results as their shapes say (a fusion reading a slice of an
+  operand counts all of it: an upper bound for those)."""
+  computations, current = {}, None
+  for line in hlo.splitlines():
+    if line and not line.startswith(" ") and line.endswith("{"):
+      current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+      computations[current] = []
+      if line.startswith("ENTRY"):
+        entry = current
+    elif current and line.startswith("  "):
+      computations[current].append(line.strip())
+  found = []
+
+  def walk(name, trips):
+    parsed = [m.groups() for m in map(INSTRUCTION.match, computations[name]) if m]
+    types = {var: typ for var, typ, _, _ in parsed}
+    for (var, typ, op, rest), line in zip(parsed, [c for c in computations[name]
+                                                    if INSTRUCTION.match(c)]):
+      operands = [a.strip().lstrip("%") for a in rest.split(")")[0].split(",")
+                  if a.strip().startswith("%")]
+      size = (shape_bytes(typ) + sum(shape_bytes(types.get(a, "")) for a in operands)) * trips
+      if op == "fusion":
+        kind = re.search(r"kind=(k\w+)", line).group(1)
+        kind = "gemm" if "gemm" in line or "cublas" in line else kind
+        found.append((kind, size, re.search(r"calls=%([\w.\-]+)", line).group(1), trips))
+      elif op == "custom-call":
+        target = re.search(r'custom_call_target="([^"]+)"', line).group(1)
+        found.append((target, size, target, trips))
+      elif op in ("copy", "transpose", "convert"):
+        found.append((op, size, var, trips))
+      elif op == "while":
+        trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+        walk(re.search(r"body=%([\w.\-]+)", line).group(1), trips * int(trip.group(1) if trip
+                                                                           else 1))
+
+  walk(entry, 1)
+  return found
+
+
+def print_kernels(found, top: int) -> dict:
+  """The kernels' bytes by kind (GB per micro-batch) and the `top` non-GEMM fusions, printed;
+  returns {kind: [GB, kernels]}."""
+  by_kind = {}
+  for kind, size, _, launches in found:
+    gb, n = by_kind.get(kind, (0.0, 0))
+    by_kind[kind] = (gb + size / 1e9, n + launches)
+  for kind, (gb, n) in sorted(by_kind.items(), key=lambda item: -item[1][0]):
+    print(f"    {kind:32s} {gb:8.2f} GB in {n:5d} kernels: {gb / HBM_TBPS:6.2f} ms at the HBM's "
+          "peak")
+  fusions = sorted((k for k in found if k[0] in ("kLoop", "kInput")), key=lambda k: -k[1])
+  for kind, size, name, _ in fusions[:top]:
+    print(f"      {size / 1e9:7.3f} GB {kind} {name}")
+  return {kind: [round(gb, 3), n] for kind, (gb, n) in by_kind.items()}
 
 
 def measured_plans(seq_len: int, docs, rows: int) -> dict:
@@ -142,6 +221,9 @@ def main():
   p.add_argument("--set", action="append", default=[], help="group.field=value")
   p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "kdjax_plan"))
   p.add_argument("--out", default=RESULTS)
+  p.add_argument("--kernels", type=int, default=-1, metavar="N",
+                 help="also each program's kernels by kind with the bytes they read and write, "
+                      "and its N largest elementwise fusions")
   args = p.parse_args()
 
   c = load_config(args.config, args.set)
@@ -180,7 +262,7 @@ def main():
       train.grad_step, graphdef=graphdef, loss=loss, max_documents=max_documents),
       train.trained(state), grads_sum, micro)
   t0 = time.perf_counter()
-  apply_plan = plan_of(train.apply_step.lower(state, grads_sum, [metrics] * c.opt.accum_steps,
+  apply_plan, _ = plan_of(train.apply_step.lower(state, grads_sum, [metrics] * c.opt.accum_steps,
                                               tx=tx, state_memory=c.opt.state_memory))
   print(f"apply_step: temporaries {apply_plan['temp']:.2f} GiB ({time.perf_counter() - t0:.0f} s)",
         flush=True)
@@ -188,8 +270,8 @@ def main():
     g, cfg = remat_auto.with_policy(graphdef, model_cfg, policy)
     kept = remat.saved_bytes_per_token(cfg, policy) * rows * seq_len * cfg.n_layers
     t0 = time.perf_counter()
-    plan = plan_of(train.grad_step.lower(train.trained(state), grads_sum, micro, graphdef=g,
-                                         loss=loss, max_documents=max_documents))
+    plan, hlo = plan_of(train.grad_step.lower(train.trained(state), grads_sum, micro,
+                                              graphdef=g, loss=loss, max_documents=max_documents))
     need = fixed / GIB + plan["temp"]
     fits = need * GIB <= remat_auto.MARGIN * budget
     was = measured.get(policy)
@@ -197,8 +279,10 @@ def main():
           f"{kept / GIB:.2f}), needs {need:7.2f}: {'fits' if fits else 'does not fit'}"
           + (f"; the H200's own plan {was:.2f}" if was is not None else "")
           + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+    by_kind = print_kernels(kernels(hlo), args.kernels) if args.kernels >= 0 else None
     lines.append({**base, "remat": policy, "grad_step_gib": plan, "apply_step_gib": apply_plan,
-                  "need_gib": need, "fits": fits, "h200_temp_gib": was})
+                  "need_gib": need, "fits": fits, "h200_temp_gib": was,
+                  **({"grad_step_kernels_gb": by_kind} if by_kind else {})})
   if args.out:
     with open(args.out, "a") as f:
       for line in lines:
