@@ -140,7 +140,7 @@ def kernels(hlo: str) -> list[tuple[str, int, str, int]]:
   kind is "gemm" (cuBLAS or Triton GEMM fusions), XLA's other fusions by kind (kLoop, kInput:
   elementwise and reductions), or a custom call's target (cuDNN's attention, Mosaic GPU's loss
   head); bytes: its operands and results as their shapes say (a fusion reading a slice of an
-  operand counts all of it: an upper bound for those)."""
+  operand, or one element of a loop's state tuple, counts all of it: an upper bound there)."""
   computations, current = {}, None
   for line in hlo.splitlines():
     if line and not line.startswith(" ") and line.endswith("{"):
