@@ -26,7 +26,6 @@ Model weights are never made (shapes only); the micro-batch is one synthetic row
 config's shape (experiments/bench/synthetic_rows.py), written to --dir.
 """
 import argparse
-import dataclasses
 import datetime
 import functools
 import json
