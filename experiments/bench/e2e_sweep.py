@@ -58,6 +58,12 @@ SWEEP = {
                  "student.remat=names --mem-fraction 0.92",
     "32k-attention": "student --config configs/32k.py --docs 8 --steps 2 --memory --set "
                      "student.remat=attention --mem-fraction 0.92",
+    # AdamW's moments in host memory free 24 GiB: XLA's H200 plan made on CPU then fits remat
+    # "none" at 32K (86.3 GiB of temporaries + 18.0 resident + cuDNN's workspace, ~108 of 115.1;
+    # experiments/studies/plan_on_cpu.py), which auto takes first. At 8K none was 4.6% faster than
+    # dots_attention and the moments' trips cost 0.72 s a step: to be measured against "32k".
+    "32k-none-host": "student --config configs/32k.py --docs 8 --steps 2 --memory --set "
+                     "opt.state_memory=host",
     "32k-accum4": "student --config configs/32k.py --docs 8 --accum 4",
     "32k-1doc": "student --config configs/32k.py --docs 1 --accum 4",
     # The 128K step's single 46 GiB block of temporaries needs that much free in one piece: more
