@@ -127,6 +127,44 @@ def test_step_floor_from_the_committed_results():
   assert "floor, remat full, as measured:" in proc.stdout and "layers kept whole" in proc.stdout
 
 
+HLO = """HloModule m
+
+%fused_add (p0: f32[4,8], p1: f32[4,8]) -> f32[4,8] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  ROOT %a = f32[4,8]{1,0} add(%p0, %p0)
+}
+
+%body (arg: (s32[], bf16[16])) -> (s32[], bf16[16]) {
+  %arg = (s32[], bf16[16]) parameter(0)
+  %x = bf16[16]{0} get-tuple-element(%arg), index=1
+  %y = bf16[16]{0} fusion(%x), kind=kLoop, calls=%fused_neg
+  ROOT %t = (s32[], bf16[16]) tuple(%i, %y)
+}
+
+ENTRY %main (a: f32[4,8], w: bf16[8,2]) -> f32[4,8] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %w = bf16[8,2]{1,0} parameter(1)
+  %f = f32[4,8]{1,0} fusion(%a, %a), kind=kLoop, calls=%fused_add
+  %g = bf16[4,2]{1,0} fusion(%f, %w), kind=kCustom, calls=%gemm_fusion, backend_config={"kind":"__triton_gemm"}
+  %c = (bf16[4,2]{1,0}, u8[0]{0}) custom-call(%g), custom_call_target="__cudnn$fmhaSoftmax"
+  %l = (s32[], bf16[16]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %r = f32[4,8]{1,0} copy(%f)
+}
+"""
+
+
+def test_plan_on_cpu_counts_kernel_bytes():
+  """plan_on_cpu.kernels on a hand-written module: an elementwise fusion's operands and result
+  (3 x 128 B), a GEMM fusion (128 + 32 + 16 B), a custom call (16 B in, 16 out), a copy, and a
+  loop body's fusion once per trip (3 x 64 B)."""
+  sys.path.insert(0, os.path.join(ROOT, "experiments", "studies"))
+  import plan_on_cpu
+  found = plan_on_cpu.kernels(HLO)
+  assert found == [("kLoop", 384, "fused_add", 1), ("gemm", 176, "gemm_fusion", 1),
+                   ("__cudnn$fmhaSoftmax", 32, "__cudnn$fmhaSoftmax", 1),
+                   ("kLoop", 192, "fused_neg", 3), ("copy", 256, "r", 1)]
+
+
 def test_step_floor_counts_by_hand():
   """floor() on a one-layer model of width 2 (28 matmul parameters a layer, lm_head 2, 32 in
   all), one token at 1 FLOP/s and 1 B/s: matmuls fwd 2 + bwd 4 FLOPs a parameter, 2 more for
