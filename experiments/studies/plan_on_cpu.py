@@ -26,12 +26,10 @@ Model weights are never made (shapes only); the micro-batch is one synthetic row
 config's shape (experiments/bench/synthetic_rows.py), written to --dir.
 """
 import argparse
-import datetime
 import functools
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [os.path.join(ROOT, "experiments", "bench"), ROOT]
-from e2e_bench import load_config  # noqa: E402
+from e2e_bench import commit, load_config, today  # noqa: E402
 from synthetic_rows import docs_arg, synthetic_cache  # noqa: E402
 from kdjax import build, remat_auto, train  # noqa: E402
 from kdjax.models import attention, llama, remat  # noqa: E402
@@ -201,11 +199,6 @@ def measured_plans(seq_len: int, docs, rows: int) -> dict:
   return found
 
 
-def commit() -> str:
-  return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                        text=True).stdout.strip()
-
-
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--config", default=os.path.join(ROOT, "configs", "8k.py"))
@@ -251,7 +244,7 @@ def main():
         f"(bound {max_documents}); resident {fixed / GIB:.2f} GiB; budget {budget / GIB:.1f} GiB "
         f"(fits at {remat_auto.MARGIN:.0%}: {remat_auto.MARGIN * budget / GIB:.1f})", flush=True)
 
-  base = {"date": datetime.date.today().isoformat(), "commit": commit(),
+  base = {"date": today(), "commit": commit(),
           "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
           "device": "H200 (deviceless compile on CPU)", "seq_len": seq_len, "batch_size": rows,
           "docs_per_row": args.docs, "max_documents": max_documents,
