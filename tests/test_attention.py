@@ -81,10 +81,11 @@ def test_document_spans_give_the_document_mask(seed):
   assert bound >= seg.max() and bound & (bound - 1) == 0 and bound < 2 * max(seg.max(), 1)
   starts, lengths = attention.document_spans(jnp.asarray(seg), bound)
   assert starts.shape == (3, bound + 1) and lengths.shape == (3, bound)
-  for b in range(3):  # present documents first, then -1
+  for b in range(3):  # present documents first, then empty spans where they end (never -1)
     n = seg[b].max()
-    assert (np.asarray(lengths[b, :n]) > 0).all() and (np.asarray(lengths[b, n:]) == -1).all()
-    assert (np.asarray(starts[b, n:]) == -1).all()
+    assert (np.asarray(lengths[b, :n]) > 0).all() and (np.asarray(lengths[b, n:]) == 0).all()
+    assert (np.asarray(starts[b, n:bound]) == np.sum(seg[b] > 0)).all()
+    assert np.asarray(starts[b, bound]) == -1
   np.testing.assert_array_equal(np.asarray(attention.spans_mask(starts, lengths, 37)),
                                 np.asarray(attention.document_mask(jnp.asarray(seg))))
 

@@ -83,14 +83,15 @@ def test_cudnn_packed_matches_einsum(b, t, docs, h, g, per_call, rng):
 
 
 # gpt-oss's 64 query / 8 key-value heads of 64 dims, its 128-key window; per_call as above.
-@pytest.mark.parametrize("t,docs,window,sinks,per_call", [
-    (4096, 3, 128, True, None), (4096, 3, 0, True, 2), (4096, 1, 128, True, None),
-    (4096, 4, 128, False, None)])
-def test_cudnn_sinks_and_window_match_einsum(t, docs, window, sinks, per_call, rng):
+# Rows of 3 documents under a bound of 4: each row's fourth span is empty (document_spans).
+@pytest.mark.parametrize("b,t,docs,window,sinks,per_call", [
+    (1, 4096, 3, 128, True, None), (1, 4096, 3, 0, True, 2), (1, 4096, 1, 128, True, None),
+    (1, 4096, 4, 128, False, None), (2, 2048, 3, 128, True, None), (2, 2048, 3, 0, True, 2)])
+def test_cudnn_sinks_and_window_match_einsum(b, t, docs, window, sinks, per_call, rng):
   h, g, e = 64, 8, 64
-  seg = packed_rows(rng, 1, t, docs)
+  seg = packed_rows(rng, b, t, docs)
   q, k, v, cot = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-                  for shape in ((1, t, h, e), (1, t, g, e), (1, t, g, e), (1, t, h, e)))
+                  for shape in ((b, t, h, e), (b, t, g, e), (b, t, g, e), (b, t, h, e)))
   sinks_H = jnp.asarray(2 * rng.standard_normal(h), jnp.float32) if sinks else None
   bound = attention.documents_bound(seg)
 

@@ -84,10 +84,15 @@ def mean_context(segment_ids_BxT: np.ndarray) -> float:
 
 
 def document_spans(segment_ids_BxT: jax.Array, max_documents: int):
-  """(starts_BxM1, lengths_BxM) int32 of documents 1..M of each row; -1 where a row has fewer.
+  """(starts_BxM1, lengths_BxM) int32 of documents 1..M of each row, the layout of cuDNN's
+  packed attention: starts has one extra column of -1. Segment ids above M are dropped, so M
+  must bound them (see documents_bound).
 
-  The layout of cuDNN's packed attention: starts has one extra column of -1. Segment ids above M
-  are dropped, so M must bound them (see documents_bound).
+  A row with fewer than M documents gets empty spans (length 0) at the end of its documents, not
+  JAX's -1 for "none": cuDNN drops the -1 spans and shifts the rest left, so a call's
+  log-normalisers would sit at b * M + j only for rows before the first dropped span (the call's
+  backward read other documents' log-normalisers, the sinks other documents' too). Empty spans
+  keep every document at b * M + j, also in each batch shard of a partitioned call.
   """
   b, t = segment_ids_BxT.shape
   rows_Bx1 = jnp.arange(b)[:, None]
@@ -97,8 +102,9 @@ def document_spans(segment_ids_BxT: jax.Array, max_documents: int):
   starts_BxM1 = jnp.full((b, max_documents + 1), t, jnp.int32).at[rows_Bx1, segment_ids_BxT].min(
       idx_BxT, mode="drop")
   present_BxM = lengths_BxM1[:, 1:] > 0  # column 0 counts padding
-  starts_BxM = jnp.where(present_BxM, starts_BxM1[:, 1:], -1)
-  lengths_BxM = jnp.where(present_BxM, lengths_BxM1[:, 1:], -1)
+  ends_BxM = jnp.where(present_BxM, starts_BxM1[:, 1:] + lengths_BxM1[:, 1:], 0)
+  starts_BxM = jnp.where(present_BxM, starts_BxM1[:, 1:], jnp.max(ends_BxM, axis=1, keepdims=True))
+  lengths_BxM = lengths_BxM1[:, 1:]
   starts_BxM1 = jnp.concatenate([starts_BxM, jnp.full((b, 1), -1, jnp.int32)], axis=1)
   return starts_BxM1, lengths_BxM
 
