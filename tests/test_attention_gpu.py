@@ -113,11 +113,11 @@ def test_cudnn_sinks_and_window_match_einsum(b, t, docs, window, sinks, per_call
     assert err < 1e-2, (name, err)  # bf16 operands
 
 
-@pytest.mark.parametrize("policy", ["attention", "dots_attention", "names", "full"])
+@pytest.mark.parametrize("policy", ["none", "attention", "dots_attention", "names", "full"])
 def test_kept_attention_backward_under_remat(policy, rng, monkeypatch):
   """The policies that keep the merged attention output and log-normalisers hand them to cuDNN's
-  backward (no second forward): a bf16 model's loss and gradients match remat "none"'s, 5
-  documents in 3 cuDNN calls a layer."""
+  backward (no second forward): a bf16 model's loss and gradients match the einsum attention's
+  under remat "none", 5 documents (a bound of 8: empty spans) in 4 cuDNN calls a layer."""
   from flax import nnx
   from kdjax.models import llama
   monkeypatch.setattr(attention, "WORKSPACE_POSITIONS", 1)  # 2 documents a call
@@ -127,15 +127,19 @@ def test_kept_attention_backward_under_remat(policy, rng, monkeypatch):
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (2, t))
   bound = attention.documents_bound(np.asarray(seg))
 
-  def grads(p):
+  def grads(p, impl="cudnn"):
     cfg = llama.ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,
-                            head_dim=E, d_ff=512, dtype="bfloat16", remat=p)
+                            head_dim=E, d_ff=512, dtype="bfloat16", remat=p, attention_impl=impl)
     model = llama.Transformer(cfg, rngs=nnx.Rngs(0))
-    loss = lambda m: jnp.sum(jnp.sin(m(tokens, positions, seg, bound).astype(jnp.float32)))
-    return nnx.jit(nnx.value_and_grad(loss))(model)
+    def loss(m):
+      hidden = m(tokens, positions, seg, bound).astype(jnp.float32)
+      return jnp.sum(jnp.sin(hidden)), hidden
+    return nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)
 
-  (value, got), (want_value, want) = grads(policy), grads("none")
-  assert abs(float(value) - float(want_value)) <= 1e-2 * abs(float(want_value)) + 1e-2
+  # The hidden states, not the loss: a sum of 10^6 sines of bf16 values cancels down to a few
+  # thousand, which the two attentions' roundings alone move by tens.
+  ((_, hidden), got), ((_, want_hidden), want) = grads(policy), grads("none", "einsum")
+  assert np.linalg.norm(hidden - want_hidden) <= 2e-2 * np.linalg.norm(want_hidden)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     assert np.linalg.norm(a - b) <= 2e-2 * np.linalg.norm(b) + 1e-6
