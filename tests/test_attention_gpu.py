@@ -82,6 +82,31 @@ def test_cudnn_packed_matches_einsum(b, t, docs, h, g, per_call, rng):
     assert err < 1e-2, (name, err)  # bf16 operands
 
 
+def test_cudnn_statistics_layout(rng):
+  """What the kept backward and the sinks assume of a packed call (and the CPU stand-in in
+  tests/fixtures/cudnn_on_cpu.py copies): with document_spans' spans, document j of row b has its
+  log-normalisers at [b * M + j, :, position - start]; rows of 2, 3 and 4 documents under a bound
+  of 4, so rows 0 and 1 end in empty spans (cuDNN drops spans of -1 and shifts the rest left)."""
+  b, t, h, e = 3, 256, 2, 64
+  seg = np.zeros((b, t), np.int32)
+  for row, lengths in zip(seg, ([100, 60], [50, 50, 70], [40, 40, 40, 40])):
+    row[:sum(lengths)] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+  q, k, v = (jnp.asarray(rng.standard_normal((b, t, h, e)), jnp.bfloat16) for _ in range(3))
+  bound = attention.documents_bound(seg)
+  starts, lengths = attention.document_spans(jnp.asarray(seg), bound)
+  _, stats = jax.jit(lambda *x: attention._cudnn(*x, e ** -0.5, 0, True, starts, lengths))(q, k, v)
+  stats = np.asarray(stats)
+  qf, kf = np.asarray(q, np.float32), np.asarray(k, np.float32)
+  for row in range(b):
+    for j in range(seg[row].max()):
+      (inside,) = np.nonzero(seg[row] == j + 1)
+      n = len(inside)
+      s = np.einsum("the,she->hts", qf[row, inside], kf[row, inside]) * e ** -0.5
+      s = np.where(np.tril(np.ones((n, n), bool)), s, -np.inf)
+      np.testing.assert_allclose(stats[row * bound + j, :, :n],
+                                 jax.scipy.special.logsumexp(s, axis=-1), rtol=1e-2, atol=2e-2)
+
+
 # gpt-oss's 64 query / 8 key-value heads of 64 dims, its 128-key window; per_call as above.
 # Rows of 3 documents under a bound of 4: each row's fourth span is empty (document_spans).
 @pytest.mark.parametrize("b,t,docs,window,sinks,per_call", [
