@@ -181,7 +181,7 @@ def projections_in(jaxpr, weight_shapes, found=None) -> collections.Counter:
 
 @pytest.mark.parametrize("policy", remat.POLICIES)
 def test_rerun_matmul_params_are_those_of_the_gradients_program(policy, cudnn_on_cpu):
-  """remat.rerun_matmul_params_per_layer (the step floor's count) is what the gradient's program
+  """llama.rerun_matmul_params_per_layer (the step floor's count) is what the gradient's program
   runs again: the weights of the projections it holds beyond remat "none"'s, per layer."""
   tokens, positions, _ = inputs(seed=3)
   segment_ids = jnp.asarray(np.repeat([[1] * 5 + [2] * 4 + [0] * 3], B, 0), jnp.int32)
@@ -197,7 +197,7 @@ def test_rerun_matmul_params_are_those_of_the_gradients_program(policy, cudnn_on
   cfg, got = projections(policy)
   extra = got - projections("none")[1]
   rerun = sum(int(np.prod(weight)) * count for (_, weight), count in extra.items())
-  assert rerun == remat.rerun_matmul_params_per_layer(cfg, policy) * cfg.n_layers, extra
+  assert rerun == llama.rerun_matmul_params_per_layer(cfg, policy) * cfg.n_layers, extra
 
 
 def test_remat_reads_the_old_switch_and_refuses_unknown_policies():

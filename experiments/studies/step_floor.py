@@ -12,7 +12,7 @@ policy, rows per micro-batch, memory). Its floor counts only the work that must 
 the best rate measured for it on the GPU or the GPU's peak, and nothing else (no gaps, no loss
 head softmax, no gradient sums, no kernel above its best rate: all of them only add):
   * matmuls: the blocks' projections forward and backward (6 N_blocks FLOPs per token; 2 more
-    per parameter the policy's backward runs through again, remat.rerun_matmul_params_per_layer:
+    per parameter the policy's backward runs through again, llama.rerun_matmul_params_per_layer:
     all but the MLP's down under "full" and "attention", the attention's output projection under
     "names"), the lm_head forward and backward (6 d V), at
     --gemm-tflops (790: what this H200's bf16 GEMMs reach, the issue's figure; the 128K
@@ -90,7 +90,7 @@ def floor(cfg, policy, micro_batches, tokens, gemm_flops_per_s, hbm_bytes_per_s,
   block = llama.matmul_params_per_layer(cfg)
   rerun = 0 if policy == "none" else n - whole_layers  # layers whose forward runs again
   # fwd 2, bwd 4 FLOPs a parameter; 2 more for each the policy's backward runs through again
-  rerun_params = remat.rerun_matmul_params_per_layer(cfg, policy)
+  rerun_params = llama.rerun_matmul_params_per_layer(cfg, policy)
   attention_reruns = rerun if policy in RERUN_ATTENTION and not keep_attention else 0
   fwd_el, bwd_el = elementwise_elements(cfg)
   params = n * block + 2 * d * cfg.output_vocab_size  # and the embedding

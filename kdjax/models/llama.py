@@ -280,6 +280,18 @@ def matmul_params_per_layer(cfg: ModelConfig) -> int:
   return d * h * e * 2 + d * g * e * 2 + mlp
 
 
+def rerun_matmul_params_per_layer(cfg: ModelConfig, policy: str) -> int:
+  """Of matmul_params_per_layer, those one block's backward pass runs through again under the
+  remat policy: under "full" and "attention" all but the MLP's down projection, whose output the
+  backward never reads; under "names" and "offload" the attention's output projection (the MLP's
+  norm reads the residual it adds to); none under the others (counted in the gradient's program
+  by tests/test_models.py)."""
+  down = cfg.d_ff * cfg.d_model * (cfg.experts_per_token if cfg.n_experts else 1)
+  out = cfg.n_heads * cfg.head_dim * cfg.d_model
+  every = matmul_params_per_layer(cfg) - down
+  return {"full": every, "attention": every, "names": out, "offload": out}.get(policy, 0)
+
+
 def flops_per_token(cfg: ModelConfig, context: float) -> float:
   """Model training FLOPs per token (forward + backward): 6 N + 12 L H E c.
 

@@ -86,20 +86,6 @@ def wrap(fn, remat: str):
   return nnx.remat(fn, policy=policy)
 
 
-def rerun_matmul_params_per_layer(cfg, policy: str) -> int:
-  """Matmul parameters one block's backward pass runs through again under policy (cfg:
-  llama.ModelConfig): under "full" and "attention" every projection but the MLP's down, whose
-  output the backward never reads; under "names" and "offload" the attention's output
-  projection (the MLP's norm reads the residual it adds to); none under the others (counted in
-  the gradient's program by tests/test_models.py)."""
-  d, h, g, e, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
-  out = h * e * d
-  mlp_in = (2 * d * f * cfg.experts_per_token + d * cfg.n_experts if cfg.n_experts
-            else 2 * d * f)  # gate and up (and the router)
-  every = d * (h + 2 * g) * e + out + mlp_in
-  return {"full": every, "attention": every, "names": out, "offload": out}.get(policy, 0)
-
-
 def saved_bytes_per_token(cfg, policy: str) -> int:
   """A lower bound on the bytes one block keeps on the GPU per token for its backward pass under
   policy, one of AUTO_ORDER (cfg: llama.ModelConfig): the values the policy keeps, in the compute
