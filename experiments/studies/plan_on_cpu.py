@@ -132,7 +132,8 @@ def kernels(hlo: str) -> list[tuple[str, int, str, int]]:
   kind is "gemm" (cuBLAS or Triton GEMM fusions), XLA's other fusions by kind (kLoop, kInput:
   elementwise and reductions), or a custom call's target (cuDNN's attention, Mosaic GPU's loss
   head); bytes: its operands and results as their shapes say (a fusion reading a slice of an
-  operand, or one element of a loop's state tuple, counts all of it: an upper bound there)."""
+  operand, or one element of a loop's state tuple, counts all of it, and so does a scatter that
+  updates its operand in place, e.g. the loss head's [C, V] buffer: an upper bound there)."""
   computations, current = {}, None
   for line in hlo.splitlines():
     if line and not line.startswith(" ") and line.endswith("{"):
