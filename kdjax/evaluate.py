@@ -19,7 +19,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from kdjax.loss import full_kl, topk_kl
-from kdjax.models import attention
+from kdjax.models import documents
 from kdjax.data.packing import next_token_labels, pad_rows
 
 
@@ -61,7 +61,7 @@ def evaluate(model: nnx.Module, store, *, batch_size: int, max_seqs: int, chunk_
   graphdef, params = nnx.split(model)
   params = committed(params)
   n = store.num_seqs if max_seqs == 0 else min(max_seqs, store.num_seqs)
-  bound = attention.store_documents_bound(store, [(0, n)])  # one program for every batch
+  bound = documents.store_documents_bound(store, [(0, n)])  # one program for every batch
   sums = {}
   for start in tqdm(range(0, n, batch_size), desc=desc, unit="batch", leave=False):
     batch = _read_batch(store, start, n, batch_size, ("tokens", "positions", "segment_ids",
@@ -102,7 +102,7 @@ def evaluate_online(model: nnx.Module, teacher: nnx.Module, store, *, batch_size
   teacher_graphdef, teacher_params = nnx.split(teacher)
   params, teacher_params = committed(params), committed(teacher_params)
   n = store.num_seqs if max_seqs == 0 else min(max_seqs, store.num_seqs)
-  bound = attention.store_documents_bound(store, [(0, n)])  # one program for every batch
+  bound = documents.store_documents_bound(store, [(0, n)])  # one program for every batch
   sums, bins = {}, 0.0
   for start in tqdm(range(0, n, batch_size), desc=desc, unit="batch", leave=False):
     batch = _read_batch(store, start, n, batch_size,

@@ -22,7 +22,7 @@ import ml_collections
 from kdjax import (build, cache, checkpoints, checks, config, data, evaluate, parallel, peers,
                    plots, teacher, tokenizer, train)
 from kdjax.errors import UserError
-from kdjax.models import attention
+from kdjax.models import documents
 from kdjax.workdir import Paths
 
 
@@ -87,7 +87,7 @@ def stage_cache(c, paths: Paths):
                                 attrs["teacher_hash"], hidden[split], data[split])]
   # One bound on the documents per row for the splits to write: one compiled teacher step, not
   # one per split (a real teacher's compile takes seconds).
-  max_documents = max((attention.store_documents_bound(data[split]) for split in splits),
+  max_documents = max((documents.store_documents_bound(data[split]) for split in splits),
                       default=1)
   # SIGTERM stops every process between two regions (kdjax.peers.Stop), to resume from them.
   with peers.Stop("cache", lockstep=parallel.spans_processes(mesh)) as stop:

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from kdjax import parallel, tensorboard
-from kdjax.models import attention, llama
+from kdjax.models import documents, llama
 
 # Dense bf16 peak FLOP/s by device kind, for the MFU in the log (opt.peak_tflops overrides).
 PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100": 989e12,
@@ -53,7 +53,7 @@ class Reporter:
 
   def ran(self, segment_ids_AxBxT):
     self.flops += self.tokens_per_step * llama.flops_per_token(
-        self.model_cfg, attention.mean_context(segment_ids_AxBxT))
+        self.model_cfg, documents.mean_context(segment_ids_AxBxT))
 
   def report(self, step: int, metrics: dict, saved: int):
     """Checks and logs one step's metrics (blocks until that step is done). saved: the latest

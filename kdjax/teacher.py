@@ -34,7 +34,7 @@ from tqdm import tqdm
 from kdjax import cache, parallel
 from kdjax.cache import failpoints
 from kdjax.data.packing import pad_rows
-from kdjax.models import attention
+from kdjax.models import documents
 
 _TOKEN_ARRAYS = ("tokens", "segment_ids", "positions", "loss_mask")
 HIDDEN_PROJECTION_SEED = 0  # recorded in the cache's attributes with the projection
@@ -151,7 +151,7 @@ def topk_batch(graphdef, state, projection_DxH, tokens_BxT, positions_BxT, segme
   """One batch's cache rows, as write_cache computes them: top-k ids and log-probs [B, T, K], and
   with `hidden` the final hidden states [B, T, H] in bf16 (projected when projection_DxH is not
   None), else None. graphdef, state: nnx.split(teacher); max_documents: see
-  attention.documents_bound."""
+  documents.documents_bound."""
   model = nnx.merge(graphdef, state)
   hidden_BxTxD = model(tokens_BxT, positions_BxT, segment_ids_BxT, max_documents)
   # Models may pad their vocabulary for speed; rows past the tokenizer's vocabulary are never
@@ -336,7 +336,7 @@ def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_s
 
     read = lambda i: reader.submit(data_store.read, slice(*todo[i])) if i < len(todo) else None
     next_rows = read(0)
-    bound = max_documents or attention.store_documents_bound(data_store, todo)
+    bound = max_documents or documents.store_documents_bound(data_store, todo)
     started = time.perf_counter()
     for i, (start, stop) in enumerate(todo):
       try:

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from kdjax import cache, distillation, parallel, remat_auto, reporting, resume
 from kdjax.cache import failpoints
 from kdjax.data.packing import next_token_labels
-from kdjax.models import attention, llama
+from kdjax.models import documents, llama
 
 TRAINED = ("params", "hidden_proj")  # the state's entries the optimizer updates (when present)
 
@@ -272,7 +272,7 @@ class Trainer:
     # rows: 20 s at 8K, minutes at 128K, each time). A bound grown by batches reached the same
     # value after the store's densest row; that bound sets the cuDNN calls per layer
     # (kdjax.models.attention.documents_per_call).
-    self.max_documents = attention.store_documents_bound(store)
+    self.max_documents = documents.store_documents_bound(store)
     self.graphdef, self.model_cfg = resolve_remat(graphdef, model_cfg, self.state, self.grads_sum,
                                                   store, opt, self.loss, hard_labels,
                                                   self.max_documents, self.targets, mesh)
@@ -294,10 +294,10 @@ class Trainer:
   def step(self, batch_AxB: dict) -> dict:
     """One optimizer step on a batch of `next_batch`; returns its metrics, still in flight."""
     if self.opt.documents_bound == "micro_batch":  # each its own (host segment ids [A, B, T])
-      bound = tuple(attention.documents_bound(s_BxT) for s_BxT in batch_AxB["segment_ids"])
+      bound = tuple(documents.documents_bound(s_BxT) for s_BxT in batch_AxB["segment_ids"])
     else:  # the store's holds its batches; a batch from elsewhere raises it (and compiles again)
       self.max_documents = max(self.max_documents,
-                               attention.documents_bound(batch_AxB["segment_ids"]))
+                               documents.documents_bound(batch_AxB["segment_ids"]))
       bound = self.max_documents
     if self.mesh is not None:
       batch_AxB = parallel.place_batch(self.mesh, batch_AxB)

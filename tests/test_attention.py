@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdjax.models import attention
+from kdjax.models import attention, documents
 from tests.fixtures.cudnn_on_cpu import (  # noqa: F401 (fixtures)
     cudnn_calls_for_cuda, cudnn_lowers_on_cpu, cudnn_on_cpu)
 
@@ -77,7 +77,7 @@ def test_document_spans_give_the_document_mask(seed):
   print("seed", seed)
   seg = packed_rows(rng, 3, 37, 6)
   seg[0] = 0  # a row of padding only
-  bound = attention.documents_bound(seg)
+  bound = documents.documents_bound(seg)
   assert bound >= seg.max() and bound & (bound - 1) == 0 and bound < 2 * max(seg.max(), 1)
   starts, lengths = attention.document_spans(jnp.asarray(seg), bound)
   assert starts.shape == (3, bound + 1) and lengths.shape == (3, bound)
@@ -101,7 +101,7 @@ def test_documents_in_several_cudnn_calls(cudnn_on_cpu, per_call, window, sinks)
   seg = packed_rows(rng, 3, 41, 7)
   seg[0] = 0  # a row of padding only
   seg[1, :] = np.minimum(np.arange(41) // 5 + 1, 7)  # seven documents, no padding
-  bound = attention.documents_bound(seg)
+  bound = documents.documents_bound(seg)
   q, k, v, cot = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
                   for shape in ((3, 41, 4, 8), (3, 41, 2, 8), (3, 41, 2, 8), (3, 41, 4, 8)))
   sinks_H = jnp.asarray(rng.standard_normal(4), jnp.float32) if sinks else None
@@ -181,7 +181,7 @@ def test_documents_per_call():
 
 
 def test_documents_bound():
-  assert [attention.documents_bound(np.array([[m]])) for m in (0, 1, 2, 3, 4, 5, 9)] == \
+  assert [documents.documents_bound(np.array([[m]])) for m in (0, 1, 2, 3, 4, 5, 9)] == \
       [1, 1, 2, 4, 4, 8, 16]
 
 
@@ -194,5 +194,5 @@ def test_cudnn_attention_needs_a_documents_bound():
 def test_mean_context():
   # one row: documents of 3 and 2 tokens, then one padding position
   seg = np.array([[1, 1, 1, 2, 2, 0]])
-  assert attention.mean_context(seg) == (6 + 3) / 6
-  assert attention.mean_context(np.ones((2, 4), np.int32)) == 10 / 4
+  assert documents.mean_context(seg) == (6 + 3) / 6
+  assert documents.mean_context(np.ones((2, 4), np.int32)) == 10 / 4

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kdjax.models import attention
+from kdjax.models import attention, documents
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
                                 reason="cuDNN attention runs on a GPU only")
@@ -66,7 +66,7 @@ def test_cudnn_packed_matches_einsum(b, t, docs, h, g, per_call, rng):
     seg[2] = 0  # a row of padding only
   q, k, v, cot = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
                   for shape in ((b, t, h, E), (b, t, g, E), (b, t, g, E), (b, t, h, E)))
-  bound = attention.documents_bound(seg)
+  bound = documents.documents_bound(seg)
   fn = jax.jit(lambda q_, k_, v_: attention.attention_cudnn(q_, k_, v_, jnp.asarray(seg), bound,
                                                              per_call))
   out, vjp = jax.vjp(fn, q, k, v)
@@ -92,7 +92,7 @@ def test_cudnn_statistics_layout(rng):
   for row, lengths in zip(seg, ([100, 60], [50, 50, 70], [40, 40, 40, 40])):
     row[:sum(lengths)] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
   q, k, v = (jnp.asarray(rng.standard_normal((b, t, h, e)), jnp.bfloat16) for _ in range(3))
-  bound = attention.documents_bound(seg)
+  bound = documents.documents_bound(seg)
   starts, lengths = attention.document_spans(jnp.asarray(seg), bound)
   _, stats = jax.jit(lambda *x: attention._cudnn(*x, e ** -0.5, 0, True, starts, lengths))(q, k, v)
   stats = np.asarray(stats)
@@ -118,7 +118,7 @@ def test_cudnn_sinks_and_window_match_einsum(b, t, docs, window, sinks, per_call
   q, k, v, cot = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
                   for shape in ((b, t, h, e), (b, t, g, e), (b, t, g, e), (b, t, h, e)))
   sinks_H = jnp.asarray(2 * rng.standard_normal(h), jnp.float32) if sinks else None
-  bound = attention.documents_bound(seg)
+  bound = documents.documents_bound(seg)
 
   def run(fn, *args):
     out, vjp = jax.vjp(jax.jit(fn), *args)
@@ -150,7 +150,7 @@ def test_kept_attention_backward_under_remat(policy, rng, monkeypatch):
   seg = jnp.asarray(packed_rows(rng, 2, t, 5))
   tokens = jnp.asarray(rng.integers(0, 512, (2, t)), jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (2, t))
-  bound = attention.documents_bound(np.asarray(seg))
+  bound = documents.documents_bound(np.asarray(seg))
 
   def grads(p, impl="cudnn"):
     cfg = llama.ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,

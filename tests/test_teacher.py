@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from kdjax import cache, peers, teacher
-from kdjax.models import attention, llama
+from kdjax.models import documents, llama
 
 V, T, D, K = 61, 12, 16, 7  # V, T, K: conftest's make_data and write; D: make_teacher's width
 
@@ -179,9 +179,9 @@ def test_one_documents_bound_for_the_whole_pass(tmp_path, monkeypatch, make_data
   mixed.write(0, {**rows, "segment_ids": segment_ids, "positions": positions,
                   "loss_mask": segment_ids > 0})
   mixed = cache.open(tmp_path / "mixed")
-  assert attention.store_documents_bound(mixed, [(0, 6)]) == 1
-  assert attention.store_documents_bound(mixed, [(0, 10)]) == 8
-  assert attention.store_documents_bound(mixed, [(0, 10)], positions_per_read=2 * T) == 8
+  assert documents.store_documents_bound(mixed, [(0, 6)]) == 1
+  assert documents.store_documents_bound(mixed, [(0, 10)]) == 8
+  assert documents.store_documents_bound(mixed, [(0, 10)], positions_per_read=2 * T) == 8
   model = make_teacher()
   bounds = []
   step = teacher.topk_batch

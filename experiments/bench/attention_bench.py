@@ -21,7 +21,6 @@ TFLOP/s count the causal, in-document FLOPs each layout needs (4 E H per query-k
 2.5x that backward); row_causal's count is the whole row's.
 """
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import e2e_bench  # noqa: E402
 from synthetic_rows import packed_segments  # noqa: E402
 from kdjax.models import attention as attn  # noqa: E402
+from kdjax.models import documents  # noqa: E402
 
 H, G, E = 24, 8, 128
 WARMUP, REPEATS = 2, 5
@@ -55,7 +55,7 @@ def timed(fn, *args) -> float:
 
 def pairs(segment_ids_BxT: np.ndarray) -> float:
   """Causal query-key pairs inside documents."""
-  return attn.mean_context(segment_ids_BxT) * segment_ids_BxT.size
+  return documents.mean_context(segment_ids_BxT) * segment_ids_BxT.size
 
 
 def fwd_bwd(f):
@@ -125,7 +125,7 @@ def main():
   seg_equal = np.repeat(np.arange(1, m + 1, dtype=np.int32), t // m)[None].repeat(b, 0)
   one_doc = np.ones((b * m, t // m), np.int32)
   whole = np.ones((b, t), np.int32)
-  bound = args.bound or attn.documents_bound(seg_dirichlet)
+  bound = args.bound or documents.documents_bound(seg_dirichlet)
   if bound < m:
     sys.exit(f"--bound {bound} is below --docs {m}: documents past it would be dropped")
 

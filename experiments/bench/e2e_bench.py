@@ -55,7 +55,7 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # e2e_sweep; 
 import e2e_sweep  # noqa: E402
 from synthetic_rows import docs_arg, packed_segments, synthetic_cache  # noqa: E402
 from kdjax import build, cache, config, parallel, reporting, teacher, train  # noqa: E402
-from kdjax.models import attention, llama  # noqa: E402
+from kdjax.models import documents, llama  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "experiments", "results", "e2e.jsonl")
 ALONE_BATCHES = 8  # the teacher step alone: batches timed
@@ -150,7 +150,7 @@ def run_student(args) -> dict:
     t0 = time.perf_counter()
     batch = trainer.next_batch()
     t1 = time.perf_counter()
-    context.append(attention.mean_context(batch["segment_ids"]))
+    context.append(documents.mean_context(batch["segment_ids"]))
     metrics = trainer.step(batch)
     jax.block_until_ready((trainer.state, metrics))
     times.append(time.perf_counter() - t0)
@@ -238,7 +238,7 @@ def run_teacher(args) -> dict:
   # and so its attention time, is not the run's)
   batches = max(1, min(ALONE_BATCHES, args.rows // batch_size))
   alone_rows = data.read(np.arange(batches * batch_size))
-  bound = attention.store_documents_bound(data)  # write_cache's: one compiled step for both
+  bound = documents.store_documents_bound(data)  # write_cache's: one compiled step for both
   place = (lambda x: x) if mesh is None else functools.partial(parallel.place_rows, mesh)
   batch_inputs = [[place(alone_rows[name][i * batch_size:(i + 1) * batch_size])
                    for name in ("tokens", "positions", "segment_ids")] for i in range(batches)]
@@ -256,7 +256,7 @@ def run_teacher(args) -> dict:
   for each in batch_inputs:
     jax.block_until_ready(teacher.topk_batch(graphdef, state, None, *each, **kw))
   device_tok_s = batches * batch_size * seq_len / (time.perf_counter() - t0)
-  alone_context = attention.mean_context(alone_rows["segment_ids"])
+  alone_context = documents.mean_context(alone_rows["segment_ids"])
   print(f"teacher step alone ({batches} batches): {device_tok_s:,.0f} tokens/s", flush=True)
   profile = {}
   if args.profile:  # one more step alone, traced

@@ -42,7 +42,7 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # e2e_bench; 
 import e2e_bench  # noqa: E402
 import synthetic_rows  # noqa: E402
 from kdjax import build, train  # noqa: E402
-from kdjax.models import attention, llama  # noqa: E402
+from kdjax.models import documents, llama  # noqa: E402
 
 METHODS = ("online", "dense", "chunked", "ours")
 RESULTS = os.path.join(ROOT, "experiments", "results", "paper_table.jsonl")
@@ -135,7 +135,7 @@ def run(method: str, args) -> dict:
   batches = [train.to_step_batch(store.read(np.array([r])), 1, hard_labels=False)
              for r in range(4)]
   batches = [{k: v[0] for k, v in b.items()} for b in batches]
-  bound = max(attention.documents_bound(b["segment_ids"]) for b in batches)
+  bound = max(documents.documents_bound(b["segment_ids"]) for b in batches)
 
   tx, _ = train.make_optimizer(c.opt)
   loss = train.LossSettings.from_config(c.loss, hard_labels=False)
@@ -195,7 +195,7 @@ def run(method: str, args) -> dict:
 
 def train_flops(cfg, batches) -> float:
   """Model training FLOPs per token, e2e_bench's convention (attention within documents)."""
-  context = np.mean([attention.mean_context(b["segment_ids"]) for b in batches])
+  context = np.mean([documents.mean_context(b["segment_ids"]) for b in batches])
   return llama.flops_per_token(cfg, float(context))
 
 

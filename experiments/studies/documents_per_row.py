@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments", "bench"))
 from synthetic_rows import stdlib_rows  # noqa: E402
 from kdjax import cache  # noqa: E402
-from kdjax.models import attention  # noqa: E402
+from kdjax.models import attention, documents  # noqa: E402
 
 
 def windows_plan(segment_ids_NxT: np.ndarray) -> dict:
@@ -61,9 +61,9 @@ def windows_plan(segment_ids_NxT: np.ndarray) -> dict:
 def report(segment_ids_NxT: np.ndarray, batch_rows: int) -> None:
   n, t = segment_ids_NxT.shape
   docs_N = segment_ids_NxT.max(axis=1)
-  bound = attention.documents_bound(segment_ids_NxT)
+  bound = documents.documents_bound(segment_ids_NxT)
   per_call = attention.documents_per_call(batch_rows, t, bound)
-  batch_calls = [-(-attention.documents_bound(segment_ids_NxT[i:i + batch_rows])
+  batch_calls = [-(-documents.documents_bound(segment_ids_NxT[i:i + batch_rows])
                    // attention.documents_per_call(batch_rows, t, bound))
                  for i in range(0, n, batch_rows)]
   plan = windows_plan(segment_ids_NxT)

@@ -50,7 +50,7 @@ sys.path[:0] = [os.path.join(ROOT, "experiments", "bench"), ROOT]
 from e2e_bench import commit, load_config, today  # noqa: E402
 from synthetic_rows import docs_arg, synthetic_cache  # noqa: E402
 from kdjax import build, remat_auto, train  # noqa: E402
-from kdjax.models import attention, llama, remat  # noqa: E402
+from kdjax.models import documents, llama, remat  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "experiments", "results", "plans.jsonl")
 GIB = 2**30
@@ -222,7 +222,7 @@ def main():
   store = synthetic_cache(os.path.join(args.dir, f"plan_{seq_len}_{rows}_{args.docs}"),
                           np.random.default_rng(0), rows=rows, seq_len=seq_len, docs=args.docs,
                           vocab=model_cfg.vocab_size, k=c.cache.k, layout=c.cache.layout)
-  max_documents = attention.store_documents_bound(store)
+  max_documents = documents.store_documents_bound(store)
   micro = {k: v[0] for k, v in train.to_step_batch(store.read(np.arange(rows)), 1, False).items()}
 
   tx, _ = train.make_optimizer(c.opt)

@@ -247,7 +247,7 @@ class Transformer(nnx.Module):
                max_documents: int | None = None) -> jax.Array:
     """Returns hidden_BxTxD after the final norm, in the compute dtype.
 
-    max_documents: a static bound on the segment ids (attention.documents_bound of the host
+    max_documents: a static bound on the segment ids (documents.documents_bound of the host
     batch); needed by the cuDNN attention, ignored by the einsum reference.
     """
     cfg = self.cfg
@@ -297,7 +297,7 @@ def flops_per_token(cfg: ModelConfig, context: float) -> float:
 
   N counts matmul parameters (the lm_head included, the embedding lookup not; of an MoE layer,
   the router and the experts_per_token experts a token runs through); c is the mean
-  number of keys a query attends to (attention.mean_context: causal, within its document), so
+  number of keys a query attends to (documents.mean_context: causal, within its document), so
   the attention term counts the score blocks a causal, document-masked kernel computes. Remat
   recomputation is not counted (model FLOPs). PaLM's MFU convention is c = T (the full matrix).
   """

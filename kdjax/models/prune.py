@@ -15,14 +15,13 @@ sorted, so a student as large as its teacher is the teacher, exactly.
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from kdjax import parallel
 from kdjax.errors import UserError
-from kdjax.models import attention as attention_lib
+from kdjax.models import documents
 from kdjax.models import llama
 from kdjax.models import rope
 
@@ -144,7 +143,7 @@ def measure(teacher: llama.Transformer, rows: dict, batch_size: int) -> Importan
   for start in range(0, len(rows["tokens"]), batch_size):
     tokens_BxT, positions_BxT, segment_ids_BxT = (
         rows[name][start:start + batch_size] for name in ("tokens", "positions", "segment_ids"))
-    max_documents = attention_lib.documents_bound(segment_ids_BxT)
+    max_documents = documents.documents_bound(segment_ids_BxT)
     count += int(np.sum(segment_ids_BxT != 0))
     x_BxTxD = _embed(teacher, tokens_BxT)
     per_layer = []
