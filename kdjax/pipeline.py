@@ -74,7 +74,7 @@ def stage_cache(c, paths: Paths):
            "teacher_hash": teacher.weights_hash(
                c.teacher.hf_path or os.path.join(paths.run("teacher"), "ckpt")),
            "tokenizer_hash": tokenizer.tokenizer_hash(paths.tokenizer()),
-           "source": c.data.source}
+           "source": c.data.source, **teacher.revision_attrs(model.cfg)}
   # Hidden states only where a loss reads them: the train split.
   hidden_dim = (c.cache.hidden_dim or model.cfg.d_model) if c.cache.hidden_states else 0
   # Of several processes each writes its own regions, unless they all run one teacher.
@@ -83,8 +83,8 @@ def stage_cache(c, paths: Paths):
   hidden = {"train": hidden_dim, "eval": 0}
   data = {split: cache.open(paths.data(split)) for split in hidden}
   splits = [split for split in hidden
-            if not _holds_top_k(paths.cache(split), c.cache.k, c.cache.layout,
-                                attrs["teacher_hash"], hidden[split], data[split])]
+            if not _holds_top_k(paths.cache(split), c.cache.k, c.cache.layout, attrs,
+                                hidden[split], data[split])]
   # One bound on the documents per row for the splits to write: one compiled teacher step, not
   # one per split (a real teacher's compile takes seconds).
   max_documents = max((documents.store_documents_bound(data[split]) for split in splits),
@@ -102,16 +102,18 @@ def stage_cache(c, paths: Paths):
       stop.barrier(f"cache {split}")  # every region written before anyone reads the split
 
 
-def _holds_top_k(path: str, k: int, layout: str, teacher_hash: str, hidden_dim: int,
+def _holds_top_k(path: str, k: int, layout: str, attrs: dict, hidden_dim: int,
                  data_store) -> bool:
-  """Whether a complete cache at `path` of this teacher on these rows holds at least k entries
-  per position (more serve k: cache.open reads the first k), in any layout (one written earlier
-  with another cache.layout, or by `python -m kdjax.cache recode`): no need to write one."""
+  """Whether a complete cache at `path` of this teacher (attrs: stage_cache's) on these rows holds
+  at least k entries per position (more serve k: cache.open reads the first k), in any layout
+  (one written earlier with another cache.layout, or by `python -m kdjax.cache recode`): no need
+  to write one. Raises CacheError for a cache of this teacher that older code wrote wrong."""
+  _refuse_stale(path, attrs)
   try:
     store = cache.open(path, k=k)
   except cache.CacheError:
     return False  # none, incomplete or otherwise unfit: write_cache resumes it or says why
-  if not (store.attrs.get("teacher_hash") == teacher_hash
+  if not (store.attrs.get("teacher_hash") == attrs["teacher_hash"]
           and store.attrs.get("data") == teacher.data_attrs(data_store)
           and (store.hidden_dim == hidden_dim or not hidden_dim)):
     return False
@@ -119,6 +121,24 @@ def _holds_top_k(path: str, k: int, layout: str, teacher_hash: str, hidden_dim: 
     logging.info("cache: %s holds this teacher's top %d of these rows in the %s layout; read as "
                  "its top %d", path, store.k, store.layout, k)
   return True
+
+
+def _refuse_stale(path: str, attrs: dict):
+  """CacheError if `path` holds a cache, finished or not, of the teacher of `attrs` that lacks one
+  of its revision attributes (teacher.revision_attrs): written by older code, wrong in places."""
+  try:
+    store = cache.open(path, allow_partial=True)
+  except cache.CacheError:
+    return  # none or unreadable: write_cache says why
+  if store.attrs.get("teacher_hash") != attrs["teacher_hash"]:
+    return
+  for key, value in attrs.items():
+    if key.endswith("_written_since") and store.attrs.get(key) != value:
+      raise cache.CacheError(
+          f"{path} holds this teacher's cache written before commit {value}: a teacher with "
+          f"attention sinks (gpt-oss) then read other documents' statistics at more than one row "
+          f"per teacher call (cache.batch_size > 1), so its top-k may be wrong. Delete {path} and "
+          f"run the cache stage again.")
 
 
 def stage_train(c, paths: Paths):

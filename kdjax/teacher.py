@@ -197,6 +197,14 @@ def _hidden_states(graphdef, state, tokens_BxT, positions_BxT, segment_ids_BxT, 
   return nnx.merge(graphdef, state)(tokens_BxT, positions_BxT, segment_ids_BxT, max_documents)
 
 
+def revision_attrs(model_cfg) -> dict:
+  """What a cache of this teacher records of the code that wrote it, where older code wrote other
+  values: a teacher with attention sinks (gpt-oss) read other documents' log-normalisers at more
+  than one row per call before commit b87bcf6 (README, BENCHMARKS.md 2026-12-05), so its caches
+  say they were written since. Part of the cache's identity: an older one is not reused."""
+  return {"sinks_written_since": "b87bcf6"} if model_cfg.attention_sinks else {}
+
+
 def data_attrs(data_store) -> dict:
   """What a cache records of the rows it was written on (its attribute "data"): the data store's
   attributes but their creation time."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdjax import cache, peers, teacher
+from kdjax import cache, peers, pipeline, teacher
 from kdjax.models import documents, llama
 
 V, T, D, K = 61, 12, 16, 7  # V, T, K: conftest's make_data and write; D: make_teacher's width
@@ -127,6 +127,26 @@ def test_resume_with_another_k_is_refused(tmp_path, make_data, write):
   write(make_teacher(), data, tmp_path / "cache")
   with pytest.raises(cache.CacheError, match="different spec"):
     write(make_teacher(), data, tmp_path / "cache", k=K - 1)
+
+
+def test_a_sinks_teachers_cache_from_before_the_spans_fix_is_not_reused(tmp_path, make_data,
+                                                                          write):
+  """A gpt-oss-class cache lacking teacher.revision_attrs (written before b87bcf6, wrong at
+  several rows per call) is refused by the cache stage with what to do, finished or not; one that
+  has them, or another teacher's, is taken as usual."""
+  data = make_data(tmp_path / "data")
+  sinks = teacher.revision_attrs(llama.ModelConfig(attention_sinks=True))
+  assert teacher.revision_attrs(llama.ModelConfig()) == {}
+  old, new = tmp_path / "old", tmp_path / "new"
+  write(make_teacher(), data, old)
+  write(make_teacher(), data, new, attrs={"teacher_hash": "tiny", **sinks})
+  attrs = {"teacher_hash": "tiny", **sinks}
+  holds = lambda path, attrs: pipeline._holds_top_k(str(path), K, "float32", attrs, 0, data)
+  with pytest.raises(cache.CacheError, match="Delete .*old and run the cache stage again"):
+    holds(old, attrs)
+  assert holds(new, attrs)
+  assert holds(old, {"teacher_hash": "tiny"})  # a teacher without sinks: as before
+  assert not holds(old, {"teacher_hash": "other", **sinks})  # another teacher's: not reused
 
 
 @pytest.mark.parametrize("blocks", [(64,), teacher.TOPK_BLOCKS, (128, 16, 2), (128, 16, 4)])
