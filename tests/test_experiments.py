@@ -5,6 +5,7 @@ e2e_bench.py and paper_table.py runs are in test_e2e_bench.py, cache_floor.py's 
 cache_context.py's in test_cache_floor.py. kdjax's scripts for the side venv (torch) compile.
 """
 import glob
+import gzip
 import json
 import os
 import py_compile
@@ -26,6 +27,7 @@ IMPORT_ONLY = {
     "bench/e2e_sweep": "e2e_bench.py's named configurations: no entry point",
     "bench/synthetic_rows": "the benchmarks' synthetic rows and cache: no entry point",
     "bench/loss_bench_report": "loss_bench.py's table and plot: no entry point",
+    "bench/hlo_kernels": "plan_on_cpu.py's and profile_fusions.py's HLO kernels: no entry point",
     "bench/mgpu_probe": "positional M K V, no flags: --help would run the full-size probe",
 }
 WITH_HELP = [name for name in SCRIPTS if name not in IMPORT_ONLY]
@@ -153,16 +155,37 @@ ENTRY %main (a: f32[4,8], w: bf16[8,2]) -> f32[4,8] {
 """
 
 
-def test_plan_on_cpu_counts_kernel_bytes():
-  """plan_on_cpu.kernels on a hand-written module: an elementwise fusion's operands and result
+def test_hlo_kernels_counts_kernel_bytes():
+  """hlo_kernels.kernels on a hand-written module: an elementwise fusion's operands and result
   (3 x 128 B), a GEMM fusion (128 + 32 + 16 B), a custom call (16 B in, 16 out), a copy, and a
-  loop body's fusion once per trip (3 x 64 B)."""
-  sys.path.insert(0, os.path.join(ROOT, "experiments", "studies"))
-  import plan_on_cpu
-  found = plan_on_cpu.kernels(HLO)
-  assert found == [("kLoop", 384, "fused_add", 1), ("gemm", 176, "gemm_fusion", 1),
-                   ("__cudnn$fmhaSoftmax", 32, "__cudnn$fmhaSoftmax", 1),
-                   ("kLoop", 192, "fused_neg", 3), ("copy", 256, "r", 1)]
+  loop body's fusion (64 B) launched once per trip (3); fused_ops names a fusion's operations."""
+  sys.path.insert(0, os.path.join(ROOT, "experiments", "bench"))
+  import hlo_kernels
+  found = hlo_kernels.kernels(HLO)
+  assert [tuple(k) for k in found] == [
+      ("kLoop", 384, "fused_add", 1, "f"), ("gemm", 176, "gemm_fusion", 1, "g"),
+      ("__cudnn$fmhaSoftmax", 32, "__cudnn$fmhaSoftmax", 1, "c"), ("kLoop", 64, "fused_neg", 3, "y"),
+      ("copy", 256, "r", 1, "r")]
+  assert hlo_kernels.fused_ops(HLO, "fused_add") == "add"
+
+
+def test_profile_fusions_joins_a_trace_with_its_hlo(tmp_path):
+  """profile_fusions.py on a hand-made trace of HLO's module: the fusion "f" (384 B a call)
+  twice in 1 ns in all is 768 GB/s, 16% of the H200's HBM; a kernel of another program is left
+  out."""
+  gpu = {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}}
+  event = lambda op, module, dur: {"ph": "X", "pid": 7, "name": op, "ts": 0, "dur": dur,
+                                   "args": {"hlo_op": op, "hlo_module": module}}
+  trace = {"traceEvents": [gpu, event("f", "jit_grad_step", 5e-4), event("f", "jit_grad_step", 5e-4),
+                           event("g", "jit_grad_step", 2.0), event("f", "jit_apply_step", 9.0)]}
+  with gzip.open(tmp_path / "perfetto_trace.json.gz", "wt") as f:
+    json.dump(trace, f)
+  (tmp_path / "hlo.txt").write_text(HLO)
+  proc = run(["experiments/bench/profile_fusions.py", str(tmp_path), str(tmp_path / "hlo.txt")])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  line = next(line for line in proc.stdout.splitlines() if line.endswith("f: add"))
+  assert line.split()[2:6] == ["2", "0.0", "768", "16%"], line
+  assert "2 kernels, 3 launches" in proc.stdout, proc.stdout
 
 
 def test_step_floor_counts_by_hand():

@@ -29,7 +29,6 @@ import argparse
 import functools
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -48,6 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [os.path.join(ROOT, "experiments", "bench"), ROOT]
 from e2e_bench import commit, load_config, today  # noqa: E402
+from hlo_kernels import kernels  # noqa: E402
 from synthetic_rows import docs_arg, synthetic_cache  # noqa: E402
 from kdjax import build, remat_auto, train  # noqa: E402
 from kdjax.models import documents, llama, remat  # noqa: E402
@@ -116,74 +116,20 @@ def plan_of(lowered) -> tuple[dict, str]:
            for key in ("argument", "output", "alias", "temp")}, compiled.as_text())
 
 
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
-               "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\]")
-INSTRUCTION = re.compile(r"(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
-
-
-def shape_bytes(text: str) -> int:
-  return sum(DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
-             for dtype, dims in SHAPE.findall(text))
-
-
-def kernels(hlo: str) -> list[tuple[str, int, str, int]]:
-  """(kind, bytes, name, launches) of each kernel of an optimised HLO module, loop bodies once per trip:
-  kind is "gemm" (cuBLAS or Triton GEMM fusions), XLA's other fusions by kind (kLoop, kInput:
-  elementwise and reductions), or a custom call's target (cuDNN's attention, Mosaic GPU's loss
-  head); bytes: its operands and results as their shapes say (a fusion reading a slice of an
-  operand, or one element of a loop's state tuple, counts all of it, and so does a scatter that
-  updates its operand in place, e.g. the loss head's [C, V] buffer: an upper bound there)."""
-  computations, current = {}, None
-  for line in hlo.splitlines():
-    if line and not line.startswith(" ") and line.endswith("{"):
-      current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
-      computations[current] = []
-      if line.startswith("ENTRY"):
-        entry = current
-    elif current and line.startswith("  "):
-      computations[current].append(line.strip())
-  found = []
-
-  def walk(name, trips):
-    parsed = [m.groups() for m in map(INSTRUCTION.match, computations[name]) if m]
-    types = {var: typ for var, typ, _, _ in parsed}
-    for (var, typ, op, rest), line in zip(parsed, [c for c in computations[name]
-                                                    if INSTRUCTION.match(c)]):
-      operands = [a.strip().lstrip("%") for a in rest.split(")")[0].split(",")
-                  if a.strip().startswith("%")]
-      size = (shape_bytes(typ) + sum(shape_bytes(types.get(a, "")) for a in operands)) * trips
-      if op == "fusion":
-        kind = re.search(r"kind=(k\w+)", line).group(1)
-        kind = "gemm" if "gemm" in line or "cublas" in line else kind
-        found.append((kind, size, re.search(r"calls=%([\w.\-]+)", line).group(1), trips))
-      elif op == "custom-call":
-        target = re.search(r'custom_call_target="([^"]+)"', line).group(1)
-        found.append((target, size, target, trips))
-      elif op in ("copy", "transpose", "convert"):
-        found.append((op, size, var, trips))
-      elif op == "while":
-        trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
-        walk(re.search(r"body=%([\w.\-]+)", line).group(1), trips * int(trip.group(1) if trip
-                                                                           else 1))
-
-  walk(entry, 1)
-  return found
-
-
 def print_kernels(found, top: int) -> dict:
   """The kernels' bytes by kind (GB per micro-batch) and the `top` non-GEMM fusions, printed;
   returns {kind: [GB, kernels]}."""
   by_kind = {}
-  for kind, size, _, launches in found:
-    gb, n = by_kind.get(kind, (0.0, 0))
-    by_kind[kind] = (gb + size / 1e9, n + launches)
+  for k in found:
+    gb, n = by_kind.get(k.kind, (0.0, 0))
+    by_kind[k.kind] = (gb + k.bytes * k.launches / 1e9, n + k.launches)
   for kind, (gb, n) in sorted(by_kind.items(), key=lambda item: -item[1][0]):
     print(f"    {kind:32s} {gb:8.2f} GB in {n:5d} kernels: {gb / HBM_TBPS:6.2f} ms at the HBM's "
           "peak")
-  fusions = sorted((k for k in found if k[0] in ("kLoop", "kInput")), key=lambda k: -k[1])
-  for kind, size, name, _ in fusions[:top]:
-    print(f"      {size / 1e9:7.3f} GB {kind} {name}")
+  fusions = sorted((k for k in found if k.kind in ("kLoop", "kInput")),
+                   key=lambda k: -k.bytes * k.launches)
+  for k in fusions[:top]:
+    print(f"      {k.bytes * k.launches / 1e9:7.3f} GB {k.kind} {k.computation}")
   return {kind: [round(gb, 3), n] for kind, (gb, n) in by_kind.items()}
 
 

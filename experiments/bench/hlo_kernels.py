@@ -1,0 +1,82 @@
+"""The kernels of an optimised XLA GPU module (its HLO text), with the bytes each must move.
+
+Shared by experiments/studies/plan_on_cpu.py (programs compiled for the H200 without a GPU) and
+experiments/bench/profile_fusions.py (a profiled step's kernels beside their bytes).
+"""
+import collections
+import re
+
+import numpy as np
+
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+               "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\]")
+INSTRUCTION = re.compile(r"(?:ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
+
+# kind: "gemm", kLoop / kInput (XLA's elementwise and reduction fusions), a custom call's target,
+# or copy / transpose / convert; bytes: per launch; launches: loop trips; instruction: the HLO
+# instruction's name (a profile's hlo_op); computation: a fusion's fused computation.
+Kernel = collections.namedtuple("Kernel", "kind bytes computation launches instruction")
+
+
+def shape_bytes(text: str) -> int:
+  return sum(DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+             for dtype, dims in SHAPE.findall(text))
+
+
+def computations(hlo: str) -> tuple[dict, str]:
+  """({computation name: its instruction lines}, the entry computation's name)."""
+  found, current, entry = {}, None, None
+  for line in hlo.splitlines():
+    if line and not line.startswith(" ") and line.endswith("{"):
+      current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+      found[current] = []
+      if line.startswith("ENTRY"):
+        entry = current
+    elif current and line.startswith("  "):
+      found[current].append(line.strip())
+  return found, entry
+
+
+def kernels(hlo: str) -> list[Kernel]:
+  """Each kernel of an optimised HLO module, loop bodies once per trip (launches = trips), with
+  the bytes of its operands and results as their shapes say (a fusion reading a slice of an
+  operand, or one element of a loop's state tuple, counts all of it, and so does a scatter that
+  updates its operand in place, e.g. the loss head's [C, V] buffer: an upper bound there)."""
+  bodies, entry = computations(hlo)
+  found = []
+
+  def walk(name, trips):
+    lines = [line for line in bodies[name] if INSTRUCTION.match(line)]
+    parsed = [INSTRUCTION.match(line).groups() for line in lines]
+    types = {var: typ for var, typ, _, _ in parsed}
+    for (var, typ, op, rest), line in zip(parsed, lines):
+      operands = [a.strip().lstrip("%") for a in rest.split(")")[0].split(",")
+                  if a.strip().startswith("%")]
+      size = shape_bytes(typ) + sum(shape_bytes(types.get(a, "")) for a in operands)
+      if op == "fusion":
+        kind = re.search(r"kind=(k\w+)", line).group(1)
+        kind = "gemm" if "gemm" in line or "cublas" in line else kind
+        found.append(Kernel(kind, size, re.search(r"calls=%([\w.\-]+)", line).group(1), trips,
+                            var))
+      elif op == "custom-call":
+        target = re.search(r'custom_call_target="([^"]+)"', line).group(1)
+        found.append(Kernel(target, size, target, trips, var))
+      elif op in ("copy", "transpose", "convert"):
+        found.append(Kernel(op, size, var, trips, var))
+      elif op == "while":
+        trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+        walk(re.search(r"body=%([\w.\-]+)", line).group(1), trips * int(trip.group(1) if trip
+                                                                           else 1))
+
+  walk(entry, 1)
+  return found
+
+
+def fused_ops(hlo: str, computation: str) -> str:
+  """A fused computation's operations, most frequent first ("multiply x4, convert x2, ...")."""
+  bodies, _ = computations(hlo)
+  ops = collections.Counter(m.group(3) for m in map(INSTRUCTION.match, bodies.get(computation, []))
+                            if m and m.group(3) not in ("parameter", "constant", "tuple",
+                                                        "get-tuple-element", "bitcast"))
+  return ", ".join(f"{op} x{n}" if n > 1 else op for op, n in ops.most_common(6))

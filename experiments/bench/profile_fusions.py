@@ -1,0 +1,99 @@
+"""A profiled step's kernels beside the bytes each moves: which fusions run far below the HBM.
+
+    python experiments/bench/profile_fusions.py TRACE [HLO] [--top 30] [--tbps 4.8]
+
+TRACE: a perfetto_trace.json.gz, or the folder `e2e_bench.py student --profile DIR` wrote.
+HLO: the traced program's optimised HLO text (.txt or .txt.gz: XLA_FLAGS="--xla_dump_to=D
+--xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*grad_step.*", the largest
+*after_optimizations.txt); without it, times alone.
+
+Per kernel of the micro-batch program (hlo_op of each GPU event, summed over the step): calls,
+time, and with the HLO its bytes per call (hlo_kernels.py: operands and results, an upper bound
+for kernels reading part of an operand), the rate that makes (GB/s) and its share of the HBM's
+peak (--tbps: 4.8 H200, 3.35 H100), and the fused operations. Then the time of XLA's fusions
+by the rate band they run in: where time goes to slow kernels rather than to bytes.
+"""
+import argparse
+import collections
+import gzip
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hlo_kernels  # noqa: E402
+import profile_summary  # noqa: E402
+
+
+def op_times(trace_path: str, module: str = "grad_step") -> dict:
+  """{hlo_op: [calls, seconds]} of the GPU kernels of programs whose name holds `module`."""
+  with gzip.open(trace_path, "rt") as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  gpu_pids = {e["pid"] for e in events
+              if e.get("ph") == "M" and e.get("name") == "process_name"
+              and re.search(r"/device:GPU:\d+$", str(e.get("args", {}).get("name", "")))}
+  out = collections.defaultdict(lambda: [0, 0.0])
+  for e in events:
+    if e.get("ph") != "X" or e.get("pid") not in gpu_pids or not e.get("dur"):
+      continue
+    args = e.get("args", {})
+    if module not in str(args.get("hlo_module", "")):
+      continue
+    key = args.get("hlo_op") or e["name"]
+    out[key][0] += 1
+    out[key][1] += e["dur"] / 1e6
+  return dict(out)
+
+
+def read_text(path: str) -> str:
+  opener = gzip.open if path.endswith(".gz") else open
+  with opener(path, "rt") as f:
+    return f.read()
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("trace")
+  p.add_argument("hlo", nargs="?", default="")
+  p.add_argument("--top", type=int, default=30)
+  p.add_argument("--tbps", type=float, default=4.8, help="the HBM's peak, TB/s")
+  p.add_argument("--module", default="grad_step")
+  args = p.parse_args()
+  trace = (args.trace if os.path.isfile(args.trace) else profile_summary.trace_file(args.trace))
+  times = op_times(trace, args.module)
+  if not times:
+    raise SystemExit(f"no GPU kernels of a program named *{args.module}* in {trace}")
+  hlo = read_text(args.hlo) if args.hlo else ""
+  by_op = {k.instruction: k for k in hlo_kernels.kernels(hlo)} if hlo else {}
+  total = sum(t for _, t in times.values())
+  print(f"{len(times)} kernels, {sum(n for n, _ in times.values())} launches, {total:.3f} s "
+        f"in programs named *{args.module}*")
+  print(f"{'s':>7} {'share':>6} {'calls':>6} {'MB/call':>8} {'GB/s':>6} {'HBM':>5}  kind      op")
+  bands = collections.Counter()
+  fusion_time = 0.0
+  for op, (calls, secs) in sorted(times.items(), key=lambda kv: -kv[1][1])[:args.top]:
+    k = by_op.get(op)
+    kind = k.kind if k else "?"
+    if k:
+      rate = k.bytes * calls / secs / 1e9
+      print(f"{secs:7.3f} {secs / total:6.1%} {calls:6d} {k.bytes / 1e6:8.1f} {rate:6.0f} "
+            f"{rate / (args.tbps * 1e3):5.0%}  {kind:8s}  {op}: "
+            f"{hlo_kernels.fused_ops(hlo, k.computation) if kind in ('kLoop', 'kInput') else ''}")
+    else:
+      print(f"{secs:7.3f} {secs / total:6.1%} {calls:6d} {'':>8} {'':>6} {'':>5}  {kind:8s}  {op}")
+  for op, (calls, secs) in times.items():
+    k = by_op.get(op)
+    if k and k.kind in ("kLoop", "kInput"):
+      fusion_time += secs
+      share = k.bytes * calls / secs / 1e9 / (args.tbps * 1e3)
+      bands[min(int(share * 4), 3)] += secs  # quarters of the HBM's peak
+  if fusion_time:
+    print(f"XLA's fusions: {fusion_time:.3f} s; by the share of the HBM's peak they reach "
+          "(bytes an upper bound): " + ", ".join(
+              f"{25 * b}-{25 * (b + 1)}%: {bands[b]:.3f} s" for b in range(4)))
+
+
+if __name__ == "__main__":
+  main()
