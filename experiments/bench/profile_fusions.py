@@ -16,9 +16,7 @@ by the rate band they run in: where time goes to slow kernels rather than to byt
 import argparse
 import collections
 import gzip
-import json
 import os
-import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -28,22 +26,12 @@ import profile_summary  # noqa: E402
 
 def op_times(trace_path: str, module: str = "grad_step") -> dict:
   """{hlo_op: [calls, seconds]} of the GPU kernels of programs whose name holds `module`."""
-  with gzip.open(trace_path, "rt") as f:
-    trace = json.load(f)
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  gpu_pids = {e["pid"] for e in events
-              if e.get("ph") == "M" and e.get("name") == "process_name"
-              and re.search(r"/device:GPU:\d+$", str(e.get("args", {}).get("name", "")))}
   out = collections.defaultdict(lambda: [0, 0.0])
-  for e in events:
-    if e.get("ph") != "X" or e.get("pid") not in gpu_pids or not e.get("dur"):
-      continue
-    args = e.get("args", {})
-    if module not in str(args.get("hlo_module", "")):
-      continue
-    key = args.get("hlo_op") or e["name"]
-    out[key][0] += 1
-    out[key][1] += e["dur"] / 1e6
+  for name, program, _, dur, args in profile_summary.gpu_events(trace_path):
+    if module in program:
+      key = args.get("hlo_op") or name
+      out[key][0] += 1
+      out[key][1] += dur / 1e6
   return dict(out)
 
 

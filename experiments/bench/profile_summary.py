@@ -59,7 +59,7 @@ def kind_of(name: str, module: str) -> str:
 
 
 def gpu_events(path: str):
-  """(name, module, start_us, dur_us) of every complete event on a GPU stream."""
+  """(name, module, start_us, dur_us, args) of every complete event on a GPU stream."""
   with gzip.open(path, "rt") as f:
     trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -70,7 +70,7 @@ def gpu_events(path: str):
     if e.get("ph") == "X" and e.get("pid") in gpu_pids and e.get("dur"):
       args = e.get("args", {})
       yield (e["name"], str(args.get("hlo_module", args.get("module", ""))),
-             float(e["ts"]), float(e["dur"]), sorted(args))
+             float(e["ts"]), float(e["dur"]), args)
 
 
 def summarize(directory: str, top: int = 25) -> dict:
@@ -78,7 +78,7 @@ def summarize(directory: str, top: int = 25) -> dict:
   if not events:
     print(f"no GPU kernels in the trace under {directory}")
     return {}
-  arg_names = events[0][4]
+  arg_names = sorted(events[0][4])
   events = [e[:4] for e in events]
   by_kind = collections.Counter()
   by_kernel = collections.Counter()
