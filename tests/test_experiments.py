@@ -149,6 +149,7 @@ ENTRY %main (a: f32[4,8], w: bf16[8,2]) -> f32[4,8] {
   %f = f32[4,8]{1,0} fusion(%a, %a), kind=kLoop, calls=%fused_add
   %g = bf16[4,2]{1,0} fusion(%f, %w), kind=kCustom, calls=%gemm_fusion, backend_config={"kind":"__triton_gemm"}
   %c = (bf16[4,2]{1,0}, u8[0]{0}) custom-call(%g), custom_call_target="__cudnn$fmhaSoftmax"
+  %n = f32[4,2]{1,0} fusion(%c#0), kind=kLoop, calls=%fused_convert
   %l = (s32[], bf16[16]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
   ROOT %r = f32[4,8]{1,0} copy(%f)
 }
@@ -157,16 +158,20 @@ ENTRY %main (a: f32[4,8], w: bf16[8,2]) -> f32[4,8] {
 
 def test_hlo_kernels_counts_kernel_bytes():
   """hlo_kernels.kernels on a hand-written module: an elementwise fusion's operands and result
-  (3 x 128 B), a GEMM fusion (128 + 32 + 16 B), a custom call (16 B in, 16 out), a copy, and a
-  loop body's fusion (64 B) launched once per trip (3); fused_ops names a fusion's operations."""
+  (3 x 128 B), a GEMM fusion (128 + 32 + 16 B), a custom call (16 B in, 16 out), a fusion
+  reading the first element of the call's tuple ("%c#0": 16 B in, 32 out), a copy, and a loop
+  body's fusion (64 B) launched once per trip (3); fused_ops names a fusion's operations;
+  exact_fusion_bytes leaves out the loop's."""
   sys.path.insert(0, os.path.join(ROOT, "experiments", "bench"))
   import hlo_kernels
   found = hlo_kernels.kernels(HLO)
   assert [tuple(k) for k in found] == [
       ("kLoop", 384, "fused_add", 1, "f"), ("gemm", 176, "gemm_fusion", 1, "g"),
-      ("__cudnn$fmhaSoftmax", 32, "__cudnn$fmhaSoftmax", 1, "c"), ("kLoop", 64, "fused_neg", 3, "y"),
+      ("__cudnn$fmhaSoftmax", 32, "__cudnn$fmhaSoftmax", 1, "c"),
+      ("kLoop", 48, "fused_convert", 1, "n"), ("kLoop", 64, "fused_neg", 3, "y"),
       ("copy", 256, "r", 1, "r")]
   assert hlo_kernels.fused_ops(HLO, "fused_add") == "add"
+  assert hlo_kernels.exact_fusion_bytes(HLO, found) == 384 + 48  # not the loop body's
 
 
 def test_profile_fusions_joins_a_trace_with_its_hlo(tmp_path):

@@ -38,6 +38,27 @@ def computations(hlo: str) -> tuple[dict, str]:
   return found, entry
 
 
+def tuple_elements(typ: str) -> list[str]:
+  """The element types of a tuple type "(bf16[2]{0}, (u8[0], f32[])))": top-level commas."""
+  inner, depth, start, out = typ.strip()[1:-1], 0, 0, []
+  for i, ch in enumerate(inner + ","):
+    depth += (ch in "([{") - (ch in ")]}")
+    if ch == "," and depth == 0:
+      out.append(inner[start:i].strip())
+      start = i + 1
+  return out
+
+
+def operand_type(types: dict, operand: str) -> str:
+  """An operand's type: "x" is x's, "x#i" (an element of x's tuple result) its i-th element's,
+  "x#i#j" the j-th of that."""
+  name, *indices = operand.split("#")
+  typ = types.get(name, "")
+  for index in indices:
+    typ = tuple_elements(typ)[int(index)] if typ.startswith("(") else ""
+  return typ
+
+
 def kernels(hlo: str) -> list[Kernel]:
   """Each kernel of an optimised HLO module, loop bodies once per trip (launches = trips), with
   the bytes of its operands and results as their shapes say (a fusion reading a slice of an
@@ -53,7 +74,7 @@ def kernels(hlo: str) -> list[Kernel]:
     for (var, typ, op, rest), line in zip(parsed, lines):
       operands = [a.strip().lstrip("%") for a in rest.split(")")[0].split(",")
                   if a.strip().startswith("%")]
-      size = shape_bytes(typ) + sum(shape_bytes(types.get(a, "")) for a in operands)
+      size = shape_bytes(typ) + sum(shape_bytes(operand_type(types, a)) for a in operands)
       if op == "fusion":
         kind = re.search(r"kind=(k\w+)", line).group(1)
         kind = "gemm" if "gemm" in line or "cublas" in line else kind
@@ -71,6 +92,21 @@ def kernels(hlo: str) -> list[Kernel]:
 
   walk(entry, 1)
   return found
+
+
+# A fusion whose computation holds one of these reads or writes part of an operand: its count of
+# bytes is an upper bound.
+PARTIAL_OPS = ("scatter", "gather", "dynamic-slice", "dynamic-update-slice", "slice")
+
+
+def exact_fusion_bytes(hlo: str, found: list[Kernel]) -> int:
+  """The bytes of XLA's elementwise and reduction fusions whose count is exact: outside loops
+  (a loop body's fusion may read one element of its state tuple) and with no op of PARTIAL_OPS.
+  A lower bound on what those fusions move."""
+  bodies, _ = computations(hlo)
+  ops = lambda name: {m.group(3) for m in map(INSTRUCTION.match, bodies.get(name, [])) if m}
+  return sum(k.bytes for k in found if k.kind in ("kLoop", "kInput") and k.launches == 1
+             and not ops(k.computation) & set(PARTIAL_OPS))
 
 
 def fused_ops(hlo: str, computation: str) -> str:

@@ -17,7 +17,6 @@ Shape letters: N tokens, U experts per token, X experts, Y = N U assignments, P 
 width, F expert width.
 """
 import argparse
-import functools
 import json
 import os
 import sys

@@ -7,7 +7,8 @@ HLO: the traced program's optimised HLO text (.txt or .txt.gz: XLA_FLAGS="--xla_
 --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*grad_step.*", the largest
 *after_optimizations.txt); without it, times alone.
 
-Per kernel of the micro-batch program (hlo_op of each GPU event, summed over the step): calls,
+Per kernel of the micro-batch program (each GPU event's hlo_op, or its name inside a command
+buffer; summed over the step): calls,
 time, and with the HLO its bytes per call (hlo_kernels.py: operands and results, an upper bound
 for kernels reading part of an operand), the rate that makes (GB/s) and its share of the HBM's
 peak (--tbps: 4.8 H200, 3.35 H100), and the fused operations. Then the time of XLA's fusions
@@ -17,6 +18,7 @@ import argparse
 import collections
 import gzip
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -28,11 +30,18 @@ def op_times(trace_path: str, module: str = "grad_step") -> dict:
   """{hlo_op: [calls, seconds]} of the GPU kernels of programs whose name holds `module`."""
   out = collections.defaultdict(lambda: [0, 0.0])
   for name, program, _, dur, args in profile_summary.gpu_events(trace_path):
-    if module in program:
-      key = args.get("hlo_op") or name
+    if module in program:  # in a command buffer (CUDA graph) hlo_op names the buffer
+      op = args.get("hlo_op", "")
+      key = kernel_key(name if not op or op.startswith("command_buffer") else op)
       out[key][0] += 1
       out[key][1] += dur / 1e6
   return dict(out)
+
+
+def kernel_key(name: str) -> str:
+  """A kernel's HLO instruction as its GPU kernel is named ("loop_add_fusion.29" runs as
+  "loop_add_fusion_29")."""
+  return re.sub(r"[.\-]", "_", name)
 
 
 def read_text(path: str) -> str:
@@ -54,7 +63,7 @@ def main():
   if not times:
     raise SystemExit(f"no GPU kernels of a program named *{args.module}* in {trace}")
   hlo = read_text(args.hlo) if args.hlo else ""
-  by_op = {k.instruction: k for k in hlo_kernels.kernels(hlo)} if hlo else {}
+  by_op = {kernel_key(k.instruction): k for k in hlo_kernels.kernels(hlo)} if hlo else {}
   total = sum(t for _, t in times.values())
   print(f"{len(times)} kernels, {sum(n for n, _ in times.values())} launches, {total:.3f} s "
         f"in programs named *{args.module}*")
