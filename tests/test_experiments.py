@@ -123,10 +123,17 @@ def test_cache_codecs_tiny():
 
 def test_step_floor_from_the_committed_results():
   """experiments/studies/step_floor.py on the results committed for configs/128k.py: the floor
-  of remat full and of the layers that fit kept whole, each against the target."""
+  of remat full and of the layers that fit kept whole, each against the target; at 8K, with the
+  fusions' bytes of a GPU's compiled program."""
   proc = run(["experiments/studies/step_floor.py"])
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "floor, remat full, as measured:" in proc.stdout and "layers kept whole" in proc.stdout
+  # and at 8K with the elementwise work as the H100 compiled it (the committed program)
+  proc = run(["experiments/studies/step_floor.py", "--config", "configs/8k.py", "--docs", "4",
+              "--run", "8k-none", "--gpu-hlo",
+              "experiments/results/plans/h100_8k_1row_none_grad_step_hlo.txt.gz"])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "elementwise as XLA's fusions on the GPU (129.1 GB" in proc.stdout, proc.stdout
 
 
 HLO = """HloModule m
