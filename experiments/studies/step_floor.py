@@ -6,6 +6,9 @@
         --target-tokens-per-s 30840
     python experiments/studies/step_floor.py --config configs/32k.py --docs 8 --run 32k \
         --target-tokens-per-s 26000
+    python experiments/studies/step_floor.py --config configs/8k.py --docs 4 --run 8k \
+        --target-tokens-per-s 30840 \
+        --gpu-hlo experiments/results/plans/h100_8k_2rows_none_grad_step_hlo.txt.gz
 
 The step as measured last (experiments/results/e2e.jsonl's latest line named --run: its remat
 policy, rows per micro-batch, memory). Its floor counts only the work that must run, each part at
