@@ -20,7 +20,12 @@ to experiments/results/plans.jsonl.
 With --kernels N, also the kernels of each policy's program as XLA compiled it, by kind (GEMMs,
 XLA's elementwise and reduction fusions, cuDNN's calls, the Pallas loss head), with the bytes
 their operands and results hold, per micro-batch, and the N largest elementwise fusions: the
-bytes a kernel must move, not its time.
+bytes a kernel must move, not its time. Of this program only: without a GPU to autotune on, XLA
+makes every GEMM a Triton GEMM fusion that absorbs casts and elementwise neighbours, where the
+GPU's own program calls cuBLAS and leaves them to fusions (at 8K, one row: 64.6 GB of fusions
+here against 162.7 GB on an H100; BENCHMARKS.md, fourteenth session). For the GPU's, dump its
+program (XLA_FLAGS="--xla_dump_to=D --xla_dump_hlo_as_text") and read it with
+experiments/bench/profile_fusions.py or step_floor.py --gpu-hlo.
 
 Model weights are never made (shapes only); the micro-batch is one synthetic row set of the
 config's shape (experiments/bench/synthetic_rows.py), written to --dir.
