@@ -334,7 +334,8 @@ def plot(args):
   latest = {}
   for line in open(args.results):
     row = json.loads(line)
-    if "error" not in row and "tokens_per_s" in row:  # not the plan-only and stage lines
+    # not the plan-only and stage lines, nor another GPU's (the H100's profiling runs)
+    if "error" not in row and "tokens_per_s" in row and "H200" in row.get("device", "H200"):
       latest[row["name"]] = row
   names = list(latest)
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
