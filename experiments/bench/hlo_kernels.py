@@ -4,6 +4,7 @@ Shared by experiments/studies/plan_on_cpu.py (programs compiled for the H200 wit
 experiments/bench/profile_fusions.py (a profiled step's kernels beside their bytes).
 """
 import collections
+import functools
 import re
 
 import numpy as np
@@ -24,8 +25,10 @@ def shape_bytes(text: str) -> int:
              for dtype, dims in SHAPE.findall(text))
 
 
+@functools.lru_cache(maxsize=2)  # kernels, fused_ops and exact_fusion_bytes parse one module
 def computations(hlo: str) -> tuple[dict, str]:
-  """({computation name: its instruction lines}, the entry computation's name)."""
+  """({computation name: its instruction lines}, the entry computation's name); not to be
+  changed (cached)."""
   found, current, entry = {}, None, None
   for line in hlo.splitlines():
     if line and not line.startswith(" ") and line.endswith("{"):
