@@ -200,6 +200,27 @@ def test_profile_fusions_joins_a_trace_with_its_hlo(tmp_path):
   assert "2 kernels, 3 launches" in proc.stdout, proc.stdout
 
 
+def test_profile_summary_per_step_scales_the_micro_batches(tmp_path):
+  """--per-step 2 16: a traced step of 2 micro-batches scaled to 16 (x8) for the micro-batch
+  program's kernels, the optimizer's once; arithmetic sums matmul, attention and loss head."""
+  gpu = {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}}
+  event = lambda name, module, dur: {"ph": "X", "pid": 7, "name": name, "ts": 0, "dur": dur,
+                                     "args": {"hlo_module": module}}
+  trace = {"traceEvents": [gpu, event("nvjet_sm90_tst", "jit_grad_step", 1e6),
+                           event("cudnn_sdpa_bprop", "jit_grad_step", 0.5e6),
+                           event("mosaic_loss_head", "jit_grad_step", 0.25e6),
+                           event("loop_add_fusion", "jit_grad_step", 0.125e6),
+                           event("loop_add_fusion", "jit_apply_step", 0.5e6)]}
+  path = tmp_path / "trace.json.gz"
+  with gzip.open(path, "wt") as f:
+    json.dump(trace, f)
+  proc = run(["experiments/bench/profile_summary.py", str(path), "--per-step", "2", "16"])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got = {line.split()[0]: float(line.split()[-2]) for line in proc.stdout.splitlines()}
+  assert got == {"matmul": 8.0, "experts": 0.0, "attention": 4.0, "loss": 2.0, "optimizer": 0.5,
+                 "copies": 0.0, "other": 1.0, "arithmetic": 14.0, "kernels": 15.5}, got
+
+
 def test_step_floor_counts_by_hand():
   """floor() on a one-layer model of width 2 (28 matmul parameters a layer, lm_head 2, 32 in
   all), one token at 1 FLOP/s and 1 B/s: matmuls fwd 2 + bwd 4 FLOPs a parameter, 2 more for

@@ -98,6 +98,16 @@ def peak_gib() -> float:
   return WATCH.gib()
 
 
+def pool_line() -> str:
+  """JAX's device pool now (GiB): in use, largest free piece, the limit; "" where it keeps none."""
+  m = jax.local_devices()[0].memory_stats() or {}
+  if "bytes_in_use" not in m:
+    return ""
+  g = lambda k: f"{m.get(k, float('nan')) / 2**30:.2f}"
+  return (f"pool: in use {g('bytes_in_use')} GiB, reserved {g('pool_bytes')}, largest free block "
+          f"{g('largest_free_block_bytes')}, limit {g('bytes_limit')}")
+
+
 def mesh_of(c):
   """The config's mesh when it has several devices, else None (one device, no placement)."""
   mesh = parallel.make_mesh(c.mesh)
@@ -140,6 +150,8 @@ def run_student(args) -> dict:
   plan = {}
   if trainer.mesh is None and (args.memory or not args.steps):
     plan = print_memory_analysis(trainer)
+  if args.memory:
+    print(pool_line(), flush=True)
   if not args.steps:  # the plan only
     trainer.close()
     return {"kind": "plan", "seq_len": seq_len, "accum_steps": accum, "docs_per_row": args.docs,
@@ -161,6 +173,8 @@ def run_student(args) -> dict:
     metrics = one_step()
     print(f"step {step}: {times[-1]:.2f} s (batch wait {waits[-1]:.3f} s) "
           f"loss {float(metrics['loss']):.3f} peak {peak_gib():.1f} GiB", flush=True)
+    if args.memory:
+      print(pool_line(), flush=True)
   profile = {}
   if args.profile:  # one more step, traced (not among the timed ones)
     import profile_summary

@@ -1,6 +1,12 @@
 """Where a profiled step's GPU time goes: the top kernels, and shares by kind of work.
 
     python experiments/bench/profile_summary.py TRACE_DIR [--top 25]
+    python experiments/bench/profile_summary.py TRACE --per-step TRACED STEP
+
+--per-step: the traced step ran TRACED micro-batches (e2e_bench.py --accum), a real step runs
+STEP: each kind's seconds in a real step (the micro-batch program's kernels scaled by
+STEP / TRACED, the optimizer's once), and the kernels doing the model's arithmetic (matmul,
+experts, attention, loss head) summed: a step can be no faster than they are unless they are.
 
 TRACE_DIR is what `jax.profiler.trace(TRACE_DIR, create_perfetto_trace=True)` wrote (e2e_bench.py
 student --profile DIR does so around one step). Reads its perfetto_trace.json.gz and sums the
@@ -33,6 +39,8 @@ COPY = re.compile(r"memcpy|memset|copy_", re.I)
 
 
 def trace_file(directory: str) -> str:
+  if os.path.isfile(directory):
+    return directory
   found = sorted(glob.glob(os.path.join(directory, "**", "perfetto_trace.json.gz"),
                            recursive=True))
   if not found:
@@ -106,6 +114,22 @@ def summarize(directory: str, top: int = 25) -> dict:
                   for (n, m), t in by_kernel.most_common(top)]}
 
 
+ARITHMETIC = ("matmul", "experts", "attention", "loss head")
+
+
+def per_step(path: str, traced: int, step: int) -> dict:
+  """Seconds of each kind in a step of `step` micro-batches, from a traced step of `traced`: the
+  micro-batch program's kernels scaled, the optimizer's (apply_step) once; idle left out."""
+  seconds = collections.Counter()
+  for name, module, _, dur, _ in gpu_events(trace_file(path)):
+    kind = kind_of(name, module)
+    seconds[kind] += dur / 1e6 * (1 if kind == "optimizer" else step / traced)
+  out = {k: seconds[k] for k in KINDS if k != "idle"}
+  out["arithmetic"] = sum(seconds[k] for k in ARITHMETIC)
+  out["kernels"] = sum(out[k] for k in KINDS if k != "idle")
+  return out
+
+
 def print_summary(s: dict) -> None:
   if not s:
     return
@@ -121,7 +145,12 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("trace_dir")
   p.add_argument("--top", type=int, default=25)
+  p.add_argument("--per-step", nargs=2, type=int, metavar=("TRACED", "STEP"))
   args = p.parse_args()
+  if args.per_step:
+    for kind, s in per_step(args.trace_dir, *args.per_step).items():
+      print(f"  {kind:<11} {s:7.3f} s")
+    return
   print_summary(summarize(args.trace_dir, args.top))
 
 
