@@ -10,11 +10,19 @@ within MARGIN of the budget; a policy whose kept values alone (remat.saved_bytes
 lower bound) would exceed it is skipped without one. None fitting is a user error that names the
 budget. The margin comes from a measured failure: at 32K a plan at 92% of the budget ran out of
 memory, one block of its temporaries finding no room in one piece (BENCHMARKS.md).
+
+Within the margin is not enough on its own: XLA allocates a program's temporaries as one block,
+and JAX's GPU pool (BFC) never joins free memory of two of its regions, so a plan far inside the
+budget can still find no piece that large (32K with AdamW's moments in host memory: 106.9 GiB
+planned of 127.9, its 88.9 GiB block refused; BENCHMARKS.md, fifteenth session). So on a GPU a
+plan that fits is also tried: its block of temporaries is allocated once and freed (it stays in
+the pool for the step to reuse); a refusal moves on to the next policy.
 """
 import dataclasses
 import logging
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -60,6 +68,21 @@ def budget_bytes(memory_gib: float) -> float | None:
   return limit
 
 
+def one_piece(nbytes: int) -> bool:
+  """Whether each local GPU's pool gives nbytes in one piece now (allocated, then freed: the
+  piece stays in JAX's pool). Devices without a pool (CPU) are not tried: True."""
+  for device in jax.local_devices():
+    if device.platform == "cpu":
+      continue
+    try:
+      jax.block_until_ready(jnp.zeros((nbytes,), jnp.int8, device=device))
+    except jax.errors.JaxRuntimeError as e:
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      return False
+  return True
+
+
 def tokens_per_device(tokens_BxT) -> int:
   """Tokens of the micro-batch on its most loaded device."""
   if isinstance(tokens_BxT, jax.Array):
@@ -86,6 +109,9 @@ def choose(graphdef, model_cfg: llama.ModelConfig, resident, tokens: int, lower,
       continue
     plan = lower(new).compile().memory_analysis()
     need = fixed + plan.temp_size_in_bytes
+    if need <= MARGIN * budget and not one_piece(plan.temp_size_in_bytes):
+      tried.append(f"{policy} {need / GIB:.3g} (no {plan.temp_size_in_bytes / GIB:.3g} GiB piece)")
+      continue
     tried.append(f"{policy} {need / GIB:.3g}")
     if need <= MARGIN * budget:
       logging.info("remat auto: %s (%.1f GiB planned of %.1f; tried %s)", policy, need / GIB,

@@ -1,6 +1,9 @@
 """Training (kdjax/train.py): the loss falls, the step's metrics and updates, memory levers,
 accumulation, objective "online" through its targets, remat "auto"."""
 
+import dataclasses
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -194,6 +197,22 @@ def test_memory_levers_keep_the_update(lever, rng):
     assert all(x.sharding.memory_kind == "pinned_host" for x in opt_leaves)
 
 
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_host_moments_are_the_optimizers_initial_state(state_dtype):
+  """init_state makes host-memory moments as zeros without the GPU: make_optimizer's state must
+  start at zero, with tx.init's structure and dtypes, for that to hold."""
+  _, params = nnx.split(llama.Transformer(tiny_model_cfg(), rngs=nnx.Rngs(0)))
+  opt = opt_group(state_dtype=state_dtype, state_memory="host")
+  tx, _ = train.make_optimizer(opt)
+  expected = tx.init({"params": params})
+  state, _ = train.init_state(params, tx, opt)
+  assert jax.tree.structure(state["opt"]) == jax.tree.structure(expected)
+  for got, want in zip(jax.tree.leaves(state["opt"]), jax.tree.leaves(expected)):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.sharding.memory_kind == "pinned_host"
+    assert not np.any(np.asarray(want)) and not np.any(np.asarray(got))
+
+
 @pytest.mark.parametrize("state_memory", ["device", "host"])
 def test_second_step_compiles_nothing(state_memory, rng):
   """The state leaves init_state committed where the steps' outputs land: step 1 reuses step 0's
@@ -315,6 +334,61 @@ def test_remat_auto_without_a_device_limit_on_a_gpu_asks_for_one(monkeypatch):
   with pytest.raises(UserError, match="set opt.memory_gib"):
     remat_auto.budget_bytes(0)
   assert remat_auto.budget_bytes(2) == 2 * remat_auto.GIB
+
+
+def test_remat_auto_skips_a_plan_whose_temporaries_find_no_piece(monkeypatch, caplog):
+  """A plan within the budget whose block of temporaries the pool cannot give in one piece is
+  passed over for the next policy, and the choice names why."""
+  cfg = tiny_model_cfg(remat="auto")
+  order = remat.AUTO_ORDER
+  temps = {p: (len(order) - i) * remat_auto.GIB for i, p in enumerate(order)}  # fastest largest
+
+  class Plan:  # lower(graphdef) -> .compile().memory_analysis().temp_size_in_bytes
+    def __init__(self, policy):
+      self.temp_size_in_bytes = temps[policy]
+    compile = memory_analysis = lambda self: self
+
+  asked = []
+
+  def one_piece(nbytes):
+    asked.append(nbytes)
+    return nbytes <= temps[order[2]]
+
+  # the graphdef stands for its policy here: lower reads it back
+  monkeypatch.setattr(remat_auto, "with_policy",
+                      lambda g, c, policy: (policy, dataclasses.replace(c, remat=policy)))
+  monkeypatch.setattr(remat_auto, "one_piece", one_piece)
+  with caplog.at_level("INFO"):
+    _, chosen = remat_auto.choose(None, cfg, {}, tokens=8, lower=Plan, memory_gib=1000.0)
+  assert chosen.remat == order[2]
+  assert asked == [temps[p] for p in order[:3]]
+  assert f"{order[0]} {temps[order[0]] / remat_auto.GIB:.3g} (no {len(order):.3g} GiB piece)" in (
+      caplog.text)
+
+
+def test_one_piece_tries_each_gpu_and_only_out_of_memory_means_no(monkeypatch):
+  """one_piece allocates the block on every local GPU (never on a CPU); RESOURCE_EXHAUSTED is a
+  no, any other failure is a bug and propagates."""
+  class Device:
+    def __init__(self, platform):
+      self.platform = platform
+  tried, outcome = [], {}
+
+  def zeros(shape, dtype, device):
+    assert shape == (123,) and dtype == jnp.int8
+    tried.append(device.platform)
+    if outcome.get("error"):
+      raise jax.errors.JaxRuntimeError(outcome["error"])
+    return np.zeros(0)
+
+  monkeypatch.setattr(remat_auto, "jnp", types.SimpleNamespace(zeros=zeros, int8=jnp.int8))
+  monkeypatch.setattr(jax, "local_devices", lambda: [Device("cpu"), Device("gpu"), Device("gpu")])
+  assert remat_auto.one_piece(123) and tried == ["gpu", "gpu"]
+  outcome["error"] = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 123 bytes"
+  assert not remat_auto.one_piece(123)
+  outcome["error"] = "INTERNAL: something else"
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+    remat_auto.one_piece(123)
 
 
 @pytest.mark.slow  # seven compilations and a fit
