@@ -180,8 +180,14 @@ def init_state(params, tx, opt_cfg, hidden_proj=None):
   # moments in host memory (committed there) an uncommitted rest compiled grad_step and
   # apply_step a second time at step 1 (~170 s at 256K on the H200).
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's first
-  opt_place = device.with_memory_kind("pinned_host") if opt_cfg.state_memory == "host" else device
-  opt = jax.device_put(tx.init(train_params), opt_place)
+  if opt_cfg.state_memory == "host":
+    # Made in this process's memory, never on the GPU: 8 bytes per parameter there for a moment
+    # would leave JAX's pool holding regions that a step's one block of temporaries cannot use
+    # (kdjax/remat_auto.py). make_optimizer's state starts at zero (tests/test_train.py).
+    zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), jax.eval_shape(tx.init, train_params))
+    opt = jax.device_put(zeros, device.with_memory_kind("pinned_host"))
+  else:
+    opt = jax.device_put(tx.init(train_params), device)
   state = jax.device_put({**train_params, "step": jnp.zeros((), jnp.int32)}, device)
   grads_sum = jax.tree.map(lambda p: jnp.zeros(p.shape, opt_cfg.accum_dtype), train_params)
   return {**state, "opt": opt}, jax.device_put(grads_sum, device)
