@@ -352,7 +352,7 @@ def plot(args):
     if "error" not in row and "tokens_per_s" in row and "H200" in row.get("device", "H200"):
       latest[row["name"]] = row
   names = list(latest)
-  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+  fig, axes = plt.subplots(1, 2, figsize=(12, max(4.5, 1.2 + 0.2 * len(names))))  # a row each
   for ax, key, label in ((axes[0], "tokens_per_s", "tokens/s"), (axes[1], "peak_gib", "peak GiB")):
     ax.barh(names, [latest[n][key] for n in names],
             color=["tab:orange" if latest[n]["kind"] == "teacher" else "tab:blue" for n in names])
