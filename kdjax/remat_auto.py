@@ -75,7 +75,7 @@ def one_piece(nbytes: int) -> bool:
     if device.platform == "cpu":
       continue
     try:
-      jax.block_until_ready(jnp.zeros((nbytes,), jnp.int8, device=device))
+      jax.block_until_ready(jnp.zeros((-(-nbytes // 4096), 4096), jnp.int8, device=device))
     except jax.errors.JaxRuntimeError as e:
       if "RESOURCE_EXHAUSTED" not in str(e):
         raise
