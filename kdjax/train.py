@@ -182,9 +182,10 @@ def init_state(params, tx, opt_cfg, hidden_proj=None):
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's first
   if opt_cfg.state_memory == "host":
     # Made in this process's memory, never on the GPU: 8 bytes per parameter there for a moment
-    # would leave JAX's pool holding regions that a step's one block of temporaries cannot use
+    # can leave JAX's pool holding regions that a step's one block of temporaries cannot use
     # (kdjax/remat_auto.py). make_optimizer's state starts at zero (tests/test_train.py).
-    zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), jax.eval_shape(tx.init, train_params))
+    shapes = jax.eval_shape(tx.init, train_params)
+    zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
     opt = jax.device_put(zeros, device.with_memory_kind("pinned_host"))
   else:
     opt = jax.device_put(tx.init(train_params), device)
