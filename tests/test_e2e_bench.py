@@ -22,8 +22,10 @@ def run(tmp_path, *args, config="configs/8k.py:smoke", devices=1, docs="3"):
 def test_student_and_teacher_modes(tmp_path):
   """The student on rows packed as real text packs (stdlib files: padding, a varying number of
   documents), the teacher on rows of 3 documents."""
-  student = run(tmp_path, "student", "--accum", "2", "--steps", "2", "--memory", docs="stdlib")
+  student = run(tmp_path, "student", "--accum", "2", "--steps", "2", "--memory", "--preallocate",
+                docs="stdlib")
   assert student["kind"] == "student" and student["accum_steps"] == 2 and student["packed"]
+  assert student["preallocate"] == "true"
   assert student["tokens_per_s"] > 0 and student["step_s"] > 0
   teacher = run(tmp_path, "teacher", "--rows", "2")
   assert teacher["kind"] == "teacher" and teacher["tokens_per_s"] > 0

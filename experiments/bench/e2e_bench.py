@@ -405,6 +405,9 @@ def main():
     p.add_argument("--memory", action="store_true", help="print XLA's memory plan first")
     p.add_argument("--mem-fraction", type=float, default=0.0,
                    help="XLA_PYTHON_CLIENT_MEM_FRACTION (0: the config's mesh.memory_fraction)")
+    p.add_argument("--preallocate", action="store_true",
+                   help="XLA_PYTHON_CLIENT_PREALLOCATE=true: JAX's pool taken whole at the start, "
+                        "one region (peaks stay the arrays' own)")
     p.add_argument("--name", default="")
     p.add_argument("--dir", default="/tmp/kdjax_e2e")
     p.add_argument("--profile", default="",
@@ -416,6 +419,8 @@ def main():
   logging.basicConfig(level=logging.INFO, format="%(message)s")  # kdjax's lines (remat auto)
   if args.mem_fraction:  # read when JAX first touches the GPU, below
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
+  if args.preallocate:
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
   mesh_cfg = load_config(args.config, args.set).mesh
   parallel.claim_memory(mesh_cfg.memory_fraction, mesh_cfg.allocator)  # as kdjax.main
   if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform":  # JAX keeps no peak then
@@ -424,6 +429,7 @@ def main():
   result.update(name=args.name, config=getattr(args, "config", ""), overrides=args.set,
                 mem_fraction=float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]),
                 allocator=os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", ""),
+                preallocate=os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", ""),
                 xla_flags=os.environ.get("XLA_FLAGS", ""),
                 commit=commit(), date=today(), device=str(jax.devices()[0].device_kind))
   record(result, args.json)

@@ -64,6 +64,11 @@ SWEEP = {
     # dots_attention and the moments' trips cost 0.72 s a step: to be measured against "32k".
     "32k-none-host": "student --config configs/32k.py --docs 8 --steps 2 --memory --set "
                      "opt.state_memory=host",
+    # ... which ran out of memory in JAX's pool (2026-12-05: its 88.89 GiB block of temporaries in
+    # no piece; auto now tries the block first, remat_auto.one_piece). The same none with the pool
+    # taken whole at the start: one region, no region boundaries to split the block.
+    "32k-none-host-prealloc": "student --config configs/32k.py --docs 8 --steps 2 --memory --set "
+                              "opt.state_memory=host --set student.remat=none --preallocate",
     "32k-accum4": "student --config configs/32k.py --docs 8 --accum 4",
     "32k-1doc": "student --config configs/32k.py --docs 1 --accum 4",
     # The 128K step's single 46 GiB block of temporaries needs that much free in one piece: more
@@ -82,6 +87,10 @@ SWEEP = {
     # this entry. No plan compiled first (~170 s at 256K).
     # (configs/256k.py: remat full, moments on the host, mesh.allocator platform, 0.97.)
     "256k": "student --config configs/256k.py --docs 32 --accum 1 --steps 3",
+    # The same in JAX's pool taken whole (no cudaMalloc per buffer), now that host moments never
+    # pass through the GPU (2026-12-05): faster than the platform allocator's 20.0 s?
+    "256k-prealloc": "student --config configs/256k.py --docs 32 --accum 1 --steps 3 "
+                     "--set mesh.allocator= --preallocate",
     # 2.1M tokens each, 8 regions (64 rows at 8K and 16 at 32K until 2026-12-03: two regions, so
     # the writes left after the last batch, one region's, weighed ~5% of the run; a real cache
     # of billions of tokens pays them once per split). write_cache logs that drain.
