@@ -7,7 +7,7 @@ Needs: one H200 (141 GB), a Llama-3.1-8B-class Hugging Face checkpoint on disk a
 dataset. Writes the teacher's top-100 cache once (dictionary layout), then trains with the fused loss.
 Logs one line per optimizer step (README, "Running": what each field means).
 On a GPU of 48 GB: --config.student.remat=dots_attention --config.opt.state_memory=host
---config.opt.batch_size=1 --config.opt.accum_steps=32 (AdamW's moments in host memory; 11.2 s per
+--config.opt.batch_size=1 --config.opt.accum_steps=32 (AdamW's moments in host memory; 11.0 s per
 step in 45.0 GiB on an H200, BENCHMARKS.md).
 CPU variant for tests: --config=configs/8k.py:smoke
 """
