@@ -9,6 +9,7 @@ import gzip
 import json
 import os
 import py_compile
+import shlex
 import subprocess
 import sys
 import types
@@ -198,6 +199,20 @@ def test_profile_fusions_joins_a_trace_with_its_hlo(tmp_path):
   line = next(line for line in proc.stdout.splitlines() if line.endswith("f: add"))
   assert line.split()[2:6] == ["2", "0.0", "768", "16%"], line
   assert "2 kernels, 3 launches" in proc.stdout, proc.stdout
+
+
+def test_every_sweep_entry_parses_and_its_config_validates(monkeypatch):
+  """Each named configuration of e2e_bench.py sweep (e2e_sweep.SWEEP): its arguments parse and
+  its config with its overrides passes config.validate, so a GPU call never fails on a typo."""
+  monkeypatch.syspath_prepend(os.path.join(ROOT, "experiments", "bench"))
+  monkeypatch.chdir(ROOT)
+  import e2e_bench
+  import e2e_sweep
+  parser = e2e_bench.build_parser()
+  for name, line in e2e_sweep.SWEEP.items():
+    args = parser.parse_args(shlex.split(line))
+    assert args.mode in ("student", "teacher"), name
+    e2e_bench.load_config(args.config, args.set)
 
 
 def test_profile_summary_per_step_scales_the_micro_batches(tmp_path):

@@ -380,7 +380,7 @@ def record(row: dict, path: str = "") -> None:
       f.write(json.dumps(row) + "\n")
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   sub = parser.add_subparsers(dest="mode", required=True)
   p = sub.add_parser("sweep")
@@ -413,7 +413,11 @@ def main():
     p.add_argument("--profile", default="",
                    help="student: trace one more step into this directory and summarise it "
                         "(experiments/bench/profile_summary.py)")
-  args = parser.parse_args()
+  return parser
+
+
+def main():
+  args = build_parser().parse_args()
   if args.mode in ("sweep", "plot"):
     return sweep(args) if args.mode == "sweep" else plot(args)
   logging.basicConfig(level=logging.INFO, format="%(message)s")  # kdjax's lines (remat auto)
