@@ -109,11 +109,12 @@ def choose(graphdef, model_cfg: llama.ModelConfig, resident, tokens: int, lower,
       continue
     plan = lower(new).compile().memory_analysis()
     need = fixed + plan.temp_size_in_bytes
-    if need <= MARGIN * budget and not one_piece(plan.temp_size_in_bytes):
+    fits = need <= MARGIN * budget
+    if fits and not one_piece(plan.temp_size_in_bytes):
       tried.append(f"{policy} {need / GIB:.3g} (no {plan.temp_size_in_bytes / GIB:.3g} GiB piece)")
       continue
     tried.append(f"{policy} {need / GIB:.3g}")
-    if need <= MARGIN * budget:
+    if fits:
       logging.info("remat auto: %s (%.1f GiB planned of %.1f; tried %s)", policy, need / GIB,
                    budget / GIB, ", ".join(tried))
       return new, cfg

@@ -58,7 +58,7 @@ def main():
   p.add_argument("--tbps", type=float, default=4.8, help="the HBM's peak, TB/s")
   p.add_argument("--module", default="grad_step")
   args = p.parse_args()
-  trace = (args.trace if os.path.isfile(args.trace) else profile_summary.trace_file(args.trace))
+  trace = profile_summary.trace_file(args.trace)  # a file, or the folder holding one
   times = op_times(trace, args.module)
   if not times:
     raise SystemExit(f"no GPU kernels of a program named *{args.module}* in {trace}")
