@@ -69,6 +69,11 @@ SWEEP = {
     # taken whole at the start: one region, no region boundaries to split the block.
     "32k-none-host-prealloc": "student --config configs/32k.py --docs 8 --steps 2 --memory --set "
                               "opt.state_memory=host --set student.remat=none --preallocate",
+    # ... and with CUDA's stream-ordered allocator (cudaMallocAsync: its own pool, grown by the
+    # driver, not JAX's BFC regions).
+    "32k-none-host-async": "student --config configs/32k.py --docs 8 --steps 2 --memory --set "
+                           "opt.state_memory=host --set student.remat=none --set "
+                           "mesh.allocator=cuda_async",
     "32k-accum4": "student --config configs/32k.py --docs 8 --accum 4",
     "32k-1doc": "student --config configs/32k.py --docs 1 --accum 4",
     # The 128K step's single 46 GiB block of temporaries needs that much free in one piece: more
