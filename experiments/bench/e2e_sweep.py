@@ -66,7 +66,9 @@ SWEEP = {
                      "opt.state_memory=host",
     # ... which ran out of memory in JAX's pool (2026-12-05: its 88.89 GiB block of temporaries in
     # no piece; auto now tries the block first, remat_auto.one_piece). The same none with the pool
-    # taken whole at the start: one region, no region boundaries to split the block.
+    # taken whole at the start: one region, no region boundaries to split the block. (2026-12-05,
+    # 513b68b: it runs, 44.31 s, 106.9 GiB: no faster than dots_attention's 42.75 s with the moments
+    # on the GPU; on the H100 at 8K none and dots_attention with host moments tie, 3.45 / 3.46 s.)
     "32k-none-host-prealloc": "student --config configs/32k.py --docs 8 --steps 2 --memory --set "
                               "opt.state_memory=host --set student.remat=none --preallocate",
     # ... and with CUDA's stream-ordered allocator (cudaMallocAsync: its own pool, grown by the
@@ -93,7 +95,8 @@ SWEEP = {
     # (configs/256k.py: remat full, moments on the host, mesh.allocator platform, 0.97.)
     "256k": "student --config configs/256k.py --docs 32 --accum 1 --steps 3",
     # The same in JAX's pool taken whole (no cudaMalloc per buffer), now that host moments never
-    # pass through the GPU (2026-12-05): faster than the platform allocator's 20.0 s?
+    # pass through the GPU (2026-12-05): faster than the platform allocator's 20.0 s? (2026-12-05,
+    # 513b68b: compile and first step 282 s at 122.3 GiB, then the call's limit: give it ~6 min.)
     "256k-prealloc": "student --config configs/256k.py --docs 32 --accum 1 --steps 3 "
                      "--set mesh.allocator= --preallocate",
     # 2.1M tokens each, 8 regions (64 rows at 8K and 16 at 32K until 2026-12-03: two regions, so
