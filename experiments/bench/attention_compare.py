@@ -42,9 +42,10 @@ def other_module(args):
     return load_module(args.module), args.module
   text = subprocess.run(["git", "show", f"{args.against}:{PATH}"], capture_output=True, text=True,
                         check=True).stdout
-  with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+  with tempfile.NamedTemporaryFile("w", suffix=".py") as f:
     f.write(text)
-  return load_module(f.name), args.against
+    f.flush()
+    return load_module(f.name), args.against
 
 
 def main():
