@@ -324,3 +324,23 @@ def test_fidelity_smoke(tmp_path):
   assert lines[0]["bytes_per_position"] > 0 and lines[3]["bytes_per_position"] == 0
   assert lines[-1]["hidden_bytes_per_position"] > 0
   assert (tmp_path / "fidelity_smoke.png").exists()
+
+
+def test_clock_samples_and_their_summary(monkeypatch):
+  """nvidia-smi's lines as e2e_bench's GpuWatch reads them; a window's median clock and the
+  share of its samples held by the power cap."""
+  monkeypatch.syspath_prepend(os.path.join(ROOT, "experiments", "bench"))
+  import e2e_bench
+  lines = ["2026/12/05 18:40:35.046, 81559, 1980, 127.67, 0x0000000000000000",
+           "2026/12/05 18:40:36.047, 90000, 1530, 339.77, 0x0000000000000004",
+           "2026/12/05 18:40:37.047, 90000, 1635, 693.25, 0x0000000000000004",
+           "2026/12/05 18:40:38.047, 90000, 1500, 694.22, 0x0000000000000000",
+           "2026/12/05 18:40:39.047, [N/A], 1500, 694.22, 0x0000000000000000"]
+  samples = [e2e_bench.gpu_sample(line) for line in lines]
+  assert samples[-1] is None and samples[0][1:] == (81559.0, 1980.0, 127.67, 0)
+  t = [x[0] for x in samples[:4]]
+  assert t == sorted(t) and abs(t[1] - t[0] - 1.001) < 1e-6
+  summary = e2e_bench.clock_summary(samples[:4], t[1], t[3])
+  assert summary == {"sm_mhz_median": 1530.0, "power_w_median": 693.25,
+                     "power_capped_share": 0.667, "samples": 3}
+  assert e2e_bench.clock_summary(samples[:4], t[3] + 1, t[3] + 2) == {}

@@ -18,6 +18,9 @@ library files as the documents: synthetic_rows.py), random top-k entries. Steps 
 `train.Trainer` (its loader's `next_batch`, then `step`), as `train.fit` runs them (fit adds
 checkpoints and reports). The first step compiles; the median of the rest is reported.
 
+Every line's `clocks`: nvidia-smi's median SM clock and power over the timed steps (the
+teacher: its write), and the share of samples held by the power cap ({} without nvidia-smi).
+
 teacher: a RANDOM-weight Llama-3.1-8B-shaped teacher (bf16; the config's teacher: gpt-oss's with
 configs/gpt_oss.py, its MXFP4 experts random packed codes) writes its top-100 cache (the
 config's layout) of synthetic packed rows through `teacher.write_cache` (tokens/s with the zarr write), and the
@@ -61,32 +64,74 @@ RESULTS = os.path.join(ROOT, "experiments", "results", "e2e.jsonl")
 ALONE_BATCHES = 8  # the teacher step alone: batches timed
 
 
-class GpuMemoryWatch:
-  """The most memory nvidia-smi saw in use on any GPU since start(), sampled every 0.2 s: the peak
-  where JAX keeps none (mesh.allocator "platform"); it counts the CUDA context too (~0.5 GiB)."""
+POWER_CAP = 0x4  # nvidia-smi's clock event reason "SW power cap": the power limit holds the clock
+
+
+def gpu_sample(line: str):
+  """One nvidia-smi line of GpuWatch's query (its timestamp, memory MiB, SM MHz, power W, clock
+  event reasons) as (unix time, mib, mhz, watts, reasons); None where a field is not a number
+  ("[N/A]"). The time is nvidia-smi's own, so a buffered pipe does not shift it."""
+  try:
+    stamp, mib, mhz, watts, reasons = (field.strip() for field in line.split(","))
+    when = datetime.datetime.strptime(stamp, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+    return when, float(mib), float(mhz), float(watts), int(reasons, 16)
+  except ValueError:
+    return None
+
+
+def clock_summary(samples, t0: float, t1: float) -> dict:
+  """What the GPUs ran at between unix times t0 and t1: median SM clock and power over the
+  samples (every GPU's), and the share of them held by the power cap; {} with none."""
+  inside = [x for x in samples if t0 <= x[0] <= t1]
+  if not inside:
+    return {}
+  return {"sm_mhz_median": float(np.median([x[2] for x in inside])),
+          "power_w_median": float(np.median([x[3] for x in inside])),
+          "power_capped_share": round(sum(bool(x[4] & POWER_CAP) for x in inside) / len(inside), 3),
+          "samples": len(inside)}
+
+
+class GpuWatch:
+  """nvidia-smi every 0.2 s from start(): the most memory in use on any GPU (the peak where JAX
+  keeps none, mesh.allocator "platform"; it counts the CUDA context too, ~0.5 GiB), and each
+  sample's SM clock, power and clock event reasons, so a line says what clock its steps ran at
+  (an H200 under a training step sits at its 700 W cap: BENCHMARKS, sixteenth session)."""
+
+  FIELDS = "timestamp,memory.used,clocks.sm,power.draw,{reasons}"
 
   def __init__(self):
-    self.most_mib, self.proc = 0.0, None
+    self.most_mib, self.proc, self.samples = 0.0, None, []
 
   def start(self):
+    reasons = "clocks_event_reasons.active"  # clocks_throttle_reasons.active on older drivers
     try:
+      if subprocess.run(["nvidia-smi", f"--query-gpu={reasons}", "--format=csv,noheader"],
+                        capture_output=True).returncode:
+        reasons = "clocks_throttle_reasons.active"
       self.proc = subprocess.Popen(
-          ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-lms",
-           "200"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+          ["nvidia-smi", f"--query-gpu={self.FIELDS.format(reasons=reasons)}",
+           "--format=csv,noheader,nounits", "-lms", "200"],
+          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     except OSError:  # no nvidia-smi: no reading
       return
     threading.Thread(target=self._read, daemon=True).start()
 
   def _read(self):
     for line in self.proc.stdout:
-      with contextlib.suppress(ValueError):
-        self.most_mib = max(self.most_mib, float(line.strip()))
+      with contextlib.suppress(ValueError, IndexError):  # the memory even if the rest fails
+        self.most_mib = max(self.most_mib, float(line.split(",")[1]))
+      sample = gpu_sample(line)
+      if sample:
+        self.samples.append(sample)
 
   def gib(self) -> float:
     return self.most_mib / 1024 if self.most_mib else float("nan")
 
+  def clocks(self, t0: float, t1: float) -> dict:
+    return clock_summary(list(self.samples), t0, t1)
 
-WATCH = GpuMemoryWatch()
+
+WATCH = GpuWatch()
 
 
 def peak_gib() -> float:
@@ -156,7 +201,7 @@ def run_student(args) -> dict:
     trainer.close()
     return {"kind": "plan", "seq_len": seq_len, "accum_steps": accum, "docs_per_row": args.docs,
             "optimizer_state": f"{c.opt.state_dtype}/{c.opt.state_memory}", "plan_gib": plan}
-  times, waits, context = [], [], []
+  times, waits, context, spans = [], [], [], []
 
   def one_step():
     t0 = time.perf_counter()
@@ -166,6 +211,7 @@ def run_student(args) -> dict:
     metrics = trainer.step(batch)
     jax.block_until_ready((trainer.state, metrics))
     times.append(time.perf_counter() - t0)
+    spans.append((time.time() - times[-1], time.time()))
     waits.append(t1 - t0)
     return metrics
 
@@ -181,7 +227,7 @@ def run_student(args) -> dict:
     shutil.rmtree(args.profile, ignore_errors=True)
     with jax.profiler.trace(args.profile, create_perfetto_trace=True):
       one_step()
-    times.pop(), waits.pop(), context.pop()
+    times.pop(), waits.pop(), context.pop(), spans.pop()
     profile = profile_summary.summarize(args.profile)
     profile_summary.print_summary(profile)
   trainer.close()
@@ -200,6 +246,7 @@ def run_student(args) -> dict:
           "batch_wait_frac": float(np.sum(waits[1:]) / np.sum(times[1:])),
           "first_step_s": times[0], "remat": model_cfg.remat,
           "remat_config": c.student.remat,
+          "clocks": WATCH.clocks(spans[1][0], spans[-1][1]) if len(spans) > 1 else {},
           **({"plan_gib": plan} if plan else {}), **({"profile": profile} if profile else {})}
 
 
@@ -281,11 +328,12 @@ def run_teacher(args) -> dict:
     profile = profile_summary.summarize(args.profile)
     profile_summary.print_summary(profile)
 
-  t0 = time.perf_counter()
+  t0, wall0 = time.perf_counter(), time.time()
   teacher.write_cache(model, data, os.path.join(directory, "cache"), k=k, batch_size=batch_size,
                       chunk_size=chunk, vocab_size=vocab, attrs={"teacher": "random"},
                       layout=c.cache.layout, mesh=mesh)
   seconds = time.perf_counter() - t0
+  clocks = WATCH.clocks(wall0, time.time())
   return {"kind": "teacher", "seq_len": seq_len, "batch_size": batch_size,
           "devices": 1 if mesh is None else mesh.size,
           "docs_per_row": args.docs, "packed": args.docs != 1, "rows": args.rows,
@@ -293,7 +341,7 @@ def run_teacher(args) -> dict:
           "plan_gib": plan,
           "model_tflops": device_tok_s * llama.flops_per_token(model_cfg, alone_context)
           / 3 / 1e12,  # the step alone's: forward only, a third of the training FLOPs
-          "layout": c.cache.layout, "peak_gib": peak_gib(),
+          "layout": c.cache.layout, "peak_gib": peak_gib(), "clocks": clocks,
           **({"profile": profile} if profile else {})}
 
 
@@ -427,8 +475,7 @@ def main():
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
   mesh_cfg = load_config(args.config, args.set).mesh
   parallel.claim_memory(mesh_cfg.memory_fraction, mesh_cfg.allocator)  # as kdjax.main
-  if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") == "platform":  # JAX keeps no peak then
-    WATCH.start()
+  WATCH.start()  # the clocks of every GPU run; the peak where JAX keeps none (platform)
   result = run_student(args) if args.mode == "student" else run_teacher(args)
   result.update(name=args.name, config=getattr(args, "config", ""), overrides=args.set,
                 mem_fraction=float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]),
