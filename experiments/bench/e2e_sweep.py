@@ -104,6 +104,11 @@ SWEEP = {
     # of billions of tokens pays them once per split). write_cache logs that drain.
     "teacher-8k": "teacher --seq-len 8192 --docs 4 --rows 256",
     "teacher-32k": "teacher --seq-len 32768 --docs 8 --rows 64",
+    # Its step profiled (one more row traced after the step alone; the summary in the line): the
+    # last profile (46ee74d) predates the top-k's rewrite, and 32K sits at the 36k target
+    # (35.2-36.9k on different H200s, 2026-12-04/05).
+    "teacher-32k-profile": "teacher --seq-len 32768 --docs 8 --rows 16 "
+                           "--profile /tmp/kdjax_e2e/profile_teacher_32k",
     # The configs' cache layout is "dictionary" since 2026-12-04 (eighth session); the same runs
     # with the compact layout measured before, for the ratio in one call.
     "teacher-8k-compact": "teacher --seq-len 8192 --docs 4 --rows 256 --set cache.layout=compact",
