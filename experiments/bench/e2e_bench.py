@@ -128,6 +128,10 @@ class GpuWatch:
     return self.most_mib / 1024 if self.most_mib else float("nan")
 
   def clocks(self, t0: float, t1: float) -> dict:
+    """clock_summary of the window, once a sample from after it has arrived (up to 1 s)."""
+    deadline = time.time() + 1.0
+    while self.proc and time.time() < deadline and not (self.samples and self.samples[-1][0] >= t1):
+      time.sleep(0.05)
     return clock_summary(list(self.samples), t0, t1)
 
 
