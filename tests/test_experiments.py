@@ -29,6 +29,7 @@ IMPORT_ONLY = {
     "bench/synthetic_rows": "the benchmarks' synthetic rows and cache: no entry point",
     "bench/loss_bench_report": "loss_bench.py's table and plot: no entry point",
     "bench/hlo_kernels": "plan_on_cpu.py's and profile_fusions.py's HLO kernels: no entry point",
+    "bench/gpu_watch": "e2e_bench.py's nvidia-smi sampling: no entry point",
     "bench/mgpu_probe": "positional M K V, no flags: --help would run the full-size probe",
 }
 WITH_HELP = [name for name in SCRIPTS if name not in IMPORT_ONLY]
@@ -327,20 +328,20 @@ def test_fidelity_smoke(tmp_path):
 
 
 def test_clock_samples_and_their_summary(monkeypatch):
-  """nvidia-smi's lines as e2e_bench's GpuWatch reads them; a window's median clock and the
+  """nvidia-smi's lines as gpu_watch.GpuWatch reads them; a window's median clock and the
   share of its samples held by the power cap."""
   monkeypatch.syspath_prepend(os.path.join(ROOT, "experiments", "bench"))
-  import e2e_bench
+  import gpu_watch
   lines = ["2026/12/05 18:40:35.046, 81559, 1980, 127.67, 0x0000000000000000",
            "2026/12/05 18:40:36.047, 90000, 1530, 339.77, 0x0000000000000004",
            "2026/12/05 18:40:37.047, 90000, 1635, 693.25, 0x0000000000000004",
            "2026/12/05 18:40:38.047, 90000, 1500, 694.22, 0x0000000000000000",
            "2026/12/05 18:40:39.047, [N/A], 1500, 694.22, 0x0000000000000000"]
-  samples = [e2e_bench.gpu_sample(line) for line in lines]
+  samples = [gpu_watch.gpu_sample(line) for line in lines]
   assert samples[-1] is None and samples[0][1:] == (81559.0, 1980.0, 127.67, 0)
   t = [x[0] for x in samples[:4]]
   assert t == sorted(t) and abs(t[1] - t[0] - 1.001) < 1e-6
-  summary = e2e_bench.clock_summary(samples[:4], t[1], t[3])
+  summary = gpu_watch.clock_summary(samples[:4], t[1], t[3])
   assert summary == {"sm_mhz_median": 1530.0, "power_w_median": 693.25,
                      "power_capped_share": 0.667, "samples": 3}
-  assert e2e_bench.clock_summary(samples[:4], t[3] + 1, t[3] + 2) == {}
+  assert gpu_watch.clock_summary(samples[:4], t[3] + 1, t[3] + 2) == {}
