@@ -35,7 +35,7 @@ def model_config_of(group, vocab_size: int) -> llama.ModelConfig:
   if group.hf_path:
     from kdjax.models import hf  # imported lazily: only runs with checkpoints need safetensors
     return hf.config_from_hf(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
-                             remat=group.remat)
+                             **llama.ModelConfig.runtime_of(group))
   return model_config(group, vocab_size)
 
 
@@ -48,7 +48,7 @@ def new_model(group, vocab_size: int, seed: int,
     start = time.perf_counter()
     place = functools.partial(parallel.place_param, mesh) if parallel.several(mesh) else None
     model, cfg = hf.load(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
-                         remat=group.remat, place=place)
+                         place=place, **llama.ModelConfig.runtime_of(group))
     logging.info("loaded %s in %.1f s", group.hf_path, time.perf_counter() - start)
     return model, cfg
   cfg = model_config(group, vocab_size)

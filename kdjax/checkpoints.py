@@ -63,9 +63,9 @@ class Checkpoints:
     self.manager.close()
 
 
-# Fields that say how a model runs, not what it is: a checkpoint resumes under another value
-# (remat "auto" is resolved per run; checkpoints before the policies hold true / false).
-RUNTIME = ("remat",)
+# A checkpoint resumes under other values of these (remat "auto" is resolved per run; checkpoints
+# before the policies hold true / false).
+RUNTIME = llama.RUNTIME
 
 
 def _meta(model_cfg: llama.ModelConfig) -> dict:

@@ -7,6 +7,7 @@ from kdjax import tokenizer
 from kdjax.errors import UserError
 from kdjax.data import sources
 from kdjax.models import prune
+from kdjax.models.llama import ModelConfig
 from kdjax.workdir import Paths
 
 
@@ -41,7 +42,7 @@ def check_inputs(c, paths: Paths) -> None:
     if group.hf_path:
       from kdjax.models import hf  # lazily, as pipeline does
       cfg = hf.config_from_hf(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
-                              tokenizer_vocab=vocab)
+                              tokenizer_vocab=vocab, **ModelConfig.runtime_of(group))
       _same_tokenizer(role, group.hf_path, tok, paths.tokenizer_path)
       if role == "teacher" and c.init.from_teacher:
         prune.group_config(cfg, c.student, c.init.layers)  # names the field that cannot fit

@@ -113,8 +113,9 @@ def base() -> ml_collections.ConfigDict:
   c.student = model_group(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=384)
 
   # The student's starting point (kdjax/models/prune.py). With from_teacher, its n_layers,
-  # d_model, n_heads, n_kv_heads and d_ff (and dtype, param_dtype, remat, attention_impl) come from
-  # c.student, every other field (vocab, head_dim, RoPE, norms, tying, biases) from the teacher.
+  # d_model, n_heads, n_kv_heads and d_ff (and dtype, param_dtype and how it runs: remat,
+  # attention_impl, mlp_impl) come from c.student, every other field (vocab, head_dim, RoPE,
+  # norms, tying, biases) from the teacher.
   c.init = ml_collections.ConfigDict()
   c.init.from_teacher = False  # start the student from its teacher, pruned to the student's shapes
   c.init.layers = ()  # teacher layers kept, in order; () = the student.n_layers most important

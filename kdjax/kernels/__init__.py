@@ -7,6 +7,8 @@
                 reference logits_exp_reference. Run by kdjax.loss.fused.
   grouped       the grouped matmuls of a mixture of experts (Mosaic GPU): grouped_matmul;
                 reference grouped_matmul_reference (jax.lax.ragged_dot). Run by models/moe.py.
+  swiglu        the dense MLP's gate and up matmuls with the gating in their epilogue (Mosaic
+                GPU): swiglu; reference swiglu_reference. Run by models/llama.py (mlp_impl).
 
 Off GPU every kernel runs in its interpreter, so CPU tests cover the same code. Nothing here
 imports the rest of kdjax.

@@ -84,6 +84,28 @@ def _num_sms():
   return jax.devices()[0].core_count if _on_gpu() else 2
 
 
+def smem_transforms(width: int, item: int):
+  """Shared-memory tiling and swizzle for tiles `width` items of `item` bytes wide (TMA, wgmma)."""
+  swizzle = plgpu.find_swizzle(width * item * 8)
+  return (plgpu.TilingTransform((8, swizzle // item)), plgpu.SwizzleTransform(swizzle))
+
+
+def store_tile(tile, slots_smem, out_gmem, row0, col0, epi: int):
+  """A warpgroup's register tile [R, C] into out_gmem at (row0, col0), in [epi, epi] sub-tiles
+  through its two shared-memory slots slots_smem [2, epi, epi]: one is filled while the other's
+  copy runs."""
+  count = 0
+  for i in range(tile.shape[0] // epi):
+    for j in range(tile.shape[1] // epi):
+      slot = count % 2
+      count += 1
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      slots_smem[slot] = tile[i * epi:(i + 1) * epi, j * epi:(j + 1) * epi]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(
+          slots_smem.at[slot], out_gmem.at[pl.ds(row0 + i * epi, epi), pl.ds(col0 + j * epi, epi)])
+
+
 def _kernel(*refs, t: Tiles, scale: float, shifted: bool, with_xex: bool):
   h_gmem, w_gmem, *refs = refs
   shift_gmem = refs.pop(0) if shifted else None
@@ -92,10 +114,6 @@ def _kernel(*refs, t: Tiles, scale: float, shifted: bool, with_xex: bool):
   cta_m = 2 * t.bm
   m_tiles, n_tiles, k_steps = m // cta_m, w_gmem.shape[1] // t.bn, k // t.bk
   dtype = h_gmem.dtype
-
-  def smem_transforms(width, item):
-    swizzle = plgpu.find_swizzle(width * item * 8)
-    return (plgpu.TilingTransform((8, swizzle // item)), plgpu.SwizzleTransform(swizzle))
 
   in_transforms = smem_transforms(t.bk, dtype.itemsize)
 
@@ -130,20 +148,6 @@ def _kernel(*refs, t: Tiles, scale: float, shifted: bool, with_xex: bool):
       row0 = mi * cta_m + wg * t.bm
       rows = pl.ds(row0, t.bm)
 
-      def store_e(e_tile):
-        """e_tile [bm, bn] in sub-tiles of [epi, epi] through two shared-memory slots."""
-        count = 0
-        for i in range(t.bm // t.epi):
-          for j in range(t.bn // t.epi):
-            slot = count % 2
-            count += 1
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            e_smem[wg, slot] = e_tile[i * t.epi:(i + 1) * t.epi, j * t.epi:(j + 1) * t.epi]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                e_smem.at[wg, slot],
-                e_gmem.at[pl.ds(row0 + i * t.epi, t.epi), pl.ds(ni * t.bn + j * t.epi, t.epi)])
-
       def context(run):
         @functools.partial(pl.run_scoped, acc=plgpu.ACC((t.bm, t.bn), jnp.float32))
         def _acc(acc):
@@ -158,7 +162,7 @@ def _kernel(*refs, t: Tiles, scale: float, shifted: bool, with_xex: bool):
           stat_smem[wg, 1] = jnp.max(x2, axis=1) * (1 / LOG2_E)
           if with_xex:  # for the entropy: sum of exp(x) * x
             stat_smem[wg, 2] = jnp.sum(ex * x2, axis=1) * (1 / LOG2_E)
-          store_e(ex.astype(dtype))
+          store_tile(ex.astype(dtype), e_smem.at[wg], e_gmem, row0, ni * t.bn, t.epi)
           plgpu.copy_smem_to_gmem(stat_smem.at[wg, 0], sum_gmem.at[ni, rows])
           plgpu.copy_smem_to_gmem(stat_smem.at[wg, 1], max_gmem.at[ni, rows])
           if with_xex:

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from kdjax import tokenizer
 from kdjax.errors import UserError
 from kdjax.models import hf_families
-from kdjax.models.llama import ModelConfig, Transformer
+from kdjax.models.llama import RUNTIME, ModelConfig, Transformer
 
 SUPPORTED = hf_families.SUPPORTED
 # Dtypes a checkpoint may store (MXFP4 blocks and scales: U8); other quantised formats (int8,
@@ -73,7 +73,7 @@ def real_vocab_size(path: str) -> int | None:
   return tokenizer.load(path).vocab_size
 
 
-def _config_and_kind(path: str, dtype: str, param_dtype: str | None, remat: str,
+def _config_and_kind(path: str, dtype: str, param_dtype: str | None, runtime: dict,
                      tokenizer_vocab: int | None) -> tuple[ModelConfig, str]:
   _check_dir(path)
   hf = _read_json(os.path.join(path, "config.json"))
@@ -94,7 +94,11 @@ def _config_and_kind(path: str, dtype: str, param_dtype: str | None, remat: str,
       raise CheckpointError(f"{path}: the run's tokenizer has {tokenizer_vocab} tokens, more "
                             f"than the checkpoint's {vocab} embedding rows.")
     real = tokenizer_vocab
-  cfg = ModelConfig(**fields, dtype=dtype, param_dtype=param_dtype or dtype, remat=remat,
+  unknown = set(runtime) - set(RUNTIME)
+  if unknown:
+    raise TypeError(f"{sorted(unknown)}: not among the fields a checkpoint's model runs under, "
+                    f"{RUNTIME}")
+  cfg = ModelConfig(**fields, dtype=dtype, param_dtype=param_dtype or dtype, **runtime,
                     real_vocab_size=None if real in (None, vocab) else real)
   try:
     return cfg.validate(), hf["model_type"]
@@ -103,13 +107,13 @@ def _config_and_kind(path: str, dtype: str, param_dtype: str | None, remat: str,
 
 
 def config_from_hf(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
-                   remat: str = "full", tokenizer_vocab: int | None = None) -> ModelConfig:
+                   tokenizer_vocab: int | None = None, **runtime) -> ModelConfig:
   """ModelConfig from a checkpoint's config.json (+ tokenizer.json for the real vocabulary).
 
   tokenizer_vocab: the run's tokenizer size, when known; it must match the checkpoint's
   tokenizer.json if there is one, and sets real_vocab_size where there is none.
   """
-  return _config_and_kind(path, dtype, param_dtype, remat, tokenizer_vocab)[0]
+  return _config_and_kind(path, dtype, param_dtype, runtime, tokenizer_vocab)[0]
 
 
 def _param(model: nnx.Module, kd_path: tuple):
@@ -142,8 +146,8 @@ def _weight_files(path: str) -> dict[str, str]:
 
 
 def load(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
-         remat: str = "full", tokenizer_vocab: int | None = None,
-         place=None) -> tuple[Transformer, ModelConfig]:
+         tokenizer_vocab: int | None = None, place=None,
+         **runtime) -> tuple[Transformer, ModelConfig]:
   """Loads a Hugging Face checkpoint directory (a family of SUPPORTED) into a Transformer.
 
   Args:
@@ -153,18 +157,19 @@ def load(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
     dtype: compute dtype, "float32" or "bfloat16".
     param_dtype: parameter dtype; defaults to dtype. Stored tensors are cast to it, except
       MXFP4 experts, which stay packed (uint8).
-    remat: what each block keeps for its backward pass (ModelConfig.remat).
     tokenizer_vocab: the run's tokenizer size, if known: checked against the checkpoint's
       tokenizer.json, and used as real_vocab_size when the directory has none.
     place: None (each parameter on the default device), or place(path, host array) -> its
       device array (e.g. sharded over a mesh, parallel.place_param): each tensor then goes from
       the host straight to its shards, so no device ever holds more than its share.
+    runtime: how the model runs (RUNTIME of ModelConfig: remat, attention_impl, mlp_impl);
+      ModelConfig's defaults otherwise.
   Returns:
     (model, cfg). Raises CheckpointError for a path that is a file or missing, unsupported
     architectures, missing or inconsistent shards, missing/unexpected tensors, wrong shapes, or
     quantised tensors other than gpt-oss's MXFP4 experts.
   """
-  cfg, kind = _config_and_kind(path, dtype, param_dtype, remat, tokenizer_vocab)
+  cfg, kind = _config_and_kind(path, dtype, param_dtype, runtime, tokenizer_vocab)
   weight_map = _weight_files(path)
   groups = list(hf_families.tensor_groups(cfg, kind))
   wanted = [(name, shape, group.packed) for group in groups for name, shape in group.hf]

@@ -19,7 +19,7 @@ import numpy as np
 
 from kdjax.errors import UserError
 from kdjax.models import moe, rope
-from kdjax.models.llama import ModelConfig
+from kdjax.models.llama import RUNTIME, ModelConfig
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
              "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
@@ -170,7 +170,7 @@ def model_type(cfg: ModelConfig) -> str:
   else:
     kind = "qwen3" if cfg.qk_norm else "llama"
   family = model_fields(hf_config(cfg, torch_dtype=cfg.param_dtype, kind=kind))
-  keep = ("dtype", "param_dtype", "remat", "attention_impl", "real_vocab_size")
+  keep = ("dtype", "param_dtype", *RUNTIME, "real_vocab_size")
   rebuilt = ModelConfig(**family, **{name: getattr(cfg, name) for name in keep})
   if rebuilt != cfg:
     differ = [f.name for f in dataclasses.fields(cfg)

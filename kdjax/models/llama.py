@@ -21,12 +21,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kdjax.kernels import swiglu as swiglu_lib
 from kdjax.models import attention as attention_lib
 from kdjax.models import moe
 from kdjax.models import remat as remat_lib
 from kdjax.models import rope
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+MLP_IMPLS = ("xla", "pallas")
+# Fields that say how a model runs, not what it is: a checkpoint resumes under other values, a
+# config group sets them for a Hugging Face checkpoint's model too, and a pruned student keeps
+# its own.
+RUNTIME = ("remat", "attention_impl", "mlp_impl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +60,10 @@ class ModelConfig:
   # block: least memory), "names", "dots", "offload", "none" (keep all: fastest), "auto".
   remat: str = "full"
   attention_impl: str = "auto"  # "auto" (cuDNN on GPU in bf16, else einsum), "einsum", "cudnn"
+  # The dense MLP's gate and up matmuls: "xla" (two GEMMs and a fusion), or "pallas" (one Mosaic
+  # GPU kernel with the gating in its epilogue, kdjax/kernels/swiglu.py: bf16 only, d_model %
+  # 64 and d_ff % 128; for forward passes such as the teacher's, its backward recomputes both).
+  mlp_impl: str = "xla"
   # Mixtures of experts (Qwen3-MoE, gpt-oss): every layer's MLP is n_experts SwiGLU experts of
   # width d_ff, experts_per_token of them per token (kdjax/models/moe.py). 0: dense MLP.
   n_experts: int = 0          # X, experts per layer (0 = dense)
@@ -80,6 +90,11 @@ class ModelConfig:
   def config_fields(cls) -> list[dataclasses.Field]:
     """The fields a config group sets (all but real_vocab_size, which comes from tokenizers)."""
     return [f for f in dataclasses.fields(cls) if f.name != "real_vocab_size"]
+
+  @classmethod
+  def runtime_of(cls, group) -> dict:
+    """A config group's RUNTIME fields: how its model runs, a Hugging Face checkpoint's too."""
+    return {name: group[name] for name in RUNTIME}
 
   @classmethod
   def from_config(cls, group, vocab_size: int | None = None, where: str = "") -> "ModelConfig":
@@ -115,6 +130,16 @@ class ModelConfig:
     if self.attention_impl not in attention_lib.IMPLS:
       raise ValueError(f"{where}attention_impl must be one of {attention_lib.IMPLS}, got "
                        f"{self.attention_impl!r}.")
+    if self.mlp_impl not in MLP_IMPLS:
+      raise ValueError(f"{where}mlp_impl must be one of {MLP_IMPLS}, got {self.mlp_impl!r}.")
+    if self.mlp_impl == "pallas":
+      if self.dtype != "bfloat16" or self.n_experts:
+        raise ValueError(f"{where}mlp_impl 'pallas' runs a dense MLP in bfloat16; this model has "
+                         f"dtype {self.dtype!r} and {self.n_experts} experts: use 'xla'.")
+      if not swiglu_lib.fits(self.d_model, self.d_ff, swiglu_lib.GPU_TILES):
+        raise ValueError(f"{where}mlp_impl 'pallas' needs d_model % "
+                         f"{swiglu_lib.GPU_TILES.bk} == 0 and d_ff % {swiglu_lib.GPU_TILES.bn} "
+                         f"== 0, got {self.d_model} and {self.d_ff}: use 'xla'.")
     moe.validate(self, where)
     if self.sliding_window < 0:
       raise ValueError(f"{where}sliding_window must be >= 0 (0: none), got {self.sliding_window}.")
@@ -219,11 +244,16 @@ class Block(nnx.Module):
     y_BxTxD = taps["y_mlp_BxTxD"] = rms_norm(x_BxTxD, self.mlp_norm_D[...], cfg.norm_eps)
     if cfg.n_experts:
       return x_BxTxD + self.moe(y_BxTxD)
-    gate_BxTxF = remat_lib.name(
-        jnp.einsum("btd,df->btf", y_BxTxD, self.w_gate_DxF[...].astype(dt)), "mlp_gate")
-    up_BxTxF = remat_lib.name(
-        jnp.einsum("btd,df->btf", y_BxTxD, self.w_up_DxF[...].astype(dt)), "mlp_up")
-    h_BxTxF = taps["h_BxTxF"] = jax.nn.silu(gate_BxTxF) * up_BxTxF
+    w_gate_DxF, w_up_DxF = self.w_gate_DxF[...].astype(dt), self.w_up_DxF[...].astype(dt)
+    if cfg.mlp_impl == "pallas":
+      b, t, d = y_BxTxD.shape
+      h_BxTxF = swiglu_lib.swiglu(y_BxTxD.reshape(b * t, d), w_gate_DxF, w_up_DxF).reshape(
+          b, t, -1)
+    else:
+      gate_BxTxF = remat_lib.name(jnp.einsum("btd,df->btf", y_BxTxD, w_gate_DxF), "mlp_gate")
+      up_BxTxF = remat_lib.name(jnp.einsum("btd,df->btf", y_BxTxD, w_up_DxF), "mlp_up")
+      h_BxTxF = jax.nn.silu(gate_BxTxF) * up_BxTxF
+    taps["h_BxTxF"] = h_BxTxF
     return x_BxTxD + jnp.einsum("btf,fd->btd", h_BxTxF, self.w_down_FxD[...].astype(dt))
 
 

@@ -26,7 +26,7 @@ from kdjax.models import llama
 from kdjax.models import rope
 
 PRUNED = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff")  # the dims a student chooses
-NUMERICS = ("dtype", "param_dtype", "remat", "attention_impl")  # and its own numerics
+NUMERICS = ("dtype", "param_dtype", *llama.RUNTIME)  # and its own numerics
 
 
 def student_config(teacher_cfg: llama.ModelConfig, **values) -> llama.ModelConfig:
