@@ -94,6 +94,14 @@ def test_config_layouts_and_real_vocab(tmp_path):
     hf.config_from_hf(path, tokenizer_vocab=61)
   os.remove(os.path.join(path, "tokenizer.json"))
   assert hf.config_from_hf(path).real_vocab_size is None
+  # How the model runs (ModelConfig.RUNTIME) comes from the run's config group, not config.json
+  runtime = dict(remat="none", attention_impl="einsum", mlp_impl="xla")
+  cfg = hf.config_from_hf(path, dtype="bfloat16", **runtime)
+  assert {name: getattr(cfg, name) for name in runtime} == runtime
+  with pytest.raises(hf.CheckpointError, match="mlp_impl 'pallas' needs d_model % 64"):
+    hf.config_from_hf(path, dtype="bfloat16", mlp_impl="pallas")  # d_ff 24
+  with pytest.raises(TypeError, match="not among the fields"):
+    hf.config_from_hf(path, rope_theta=1.0)
   assert hf.config_from_hf(path, tokenizer_vocab=65).real_vocab_size == 65
   with pytest.raises(hf.CheckpointError, match="more than the checkpoint's 70"):
     hf.config_from_hf(path, tokenizer_vocab=71)
