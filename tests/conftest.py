@@ -79,6 +79,7 @@ HEAVY = {
                       "test_online_objective_runs_the_teacher_beside_the_step",
                       "test_memory_levers_keep_the_update", "test_distillation_loss_falls_and_logs",
                       "test_step_metrics_are_masked_means_of_the_dense_terms"),
+    "test_swiglu.py": ("test_model_with_the_kernel_is_as_close_to_float32_as_xla",),
     "test_resume.py": ("test_crash_resumes_to_identical_parameters",
                        "test_checkpoint_of_another_model_shape_is_refused",
                        "test_finished_run_is_not_trained_again",
