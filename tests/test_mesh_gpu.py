@@ -4,14 +4,17 @@ The fused loss (impl "pallas", Mosaic GPU) with the vocabulary split over this m
 under shard_map against the whole vocabulary on one: on one GPU the split is 1 way, which still
 runs the kernels under shard_map and the cross-shard combination (CPU tests cover impls "xla"
 and "pallas_exact" split 4 ways: Mosaic GPU's interpreter cannot run on several CPU devices at
-once). With two or more GPUs, every mesh shape's grad_step against one GPU's.
+once). With two or more GPUs, every mesh shape's grad_step against one GPU's. The SwiGLU kernel
+(kdjax/kernels/swiglu.py) with its rows and weight columns split over the GPUs by XLA's
+partitioner against the reference on one.
 """
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from kdjax.kernels import swiglu as swiglu_lib
 from kdjax.loss import topk_kl
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="runs on GPUs only")
@@ -57,3 +60,21 @@ def test_grad_step_over_mesh_shapes_matches_one_gpu():
   from tests.fixtures.mesh_steps import grad_step_differences
   for shape, diffs in grad_step_differences([(n, 1, 1), (1, n, 1), (1, 1, n)]).items():
     assert diffs["grads"] < 1e-4 and diffs["metrics"] < 1e-5, (shape, diffs)
+
+
+def test_swiglu_kernel_partitioned_over_gpus():
+  """Rows over "fsdp", weight columns over "tensor" (a 1 x 1 mesh on one GPU: the op inlined)."""
+  n = jax.local_device_count()
+  mesh = jax.make_mesh((n // 2 or 1, 2 if n > 1 else 1), ("fsdp", "tensor"))
+  rng = np.random.default_rng(0)
+  y = jnp.asarray(rng.normal(size=(1000, 512)), jnp.bfloat16)
+  w_gate, w_up = (jnp.asarray(rng.normal(size=(512, 1024)) * 512 ** -0.5, jnp.bfloat16)
+                  for _ in range(2))
+  args = (jax.device_put(y, NamedSharding(mesh, P("fsdp", None))),
+          *(jax.device_put(w, NamedSharding(mesh, P("fsdp", "tensor"))) for w in (w_gate, w_up)))
+  got = jax.jit(swiglu_lib.swiglu)(*args)
+  if n > 1:
+    assert got.sharding.spec == P("fsdp", "tensor")
+  want = swiglu_lib.swiglu_reference(y, w_gate, w_up).astype(jnp.float32)
+  err = float(jnp.max(jnp.abs(jnp.asarray(got, jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+  assert err < 2 ** -7
