@@ -51,7 +51,9 @@ def ways():
   for name, tiles in [("kernel stages 4", dataclasses.replace(base, stages=4)),
                       ("kernel group 16", dataclasses.replace(base, group=16)),
                       ("kernel group 4", dataclasses.replace(base, group=4)),
-                      ("kernel stages 2", dataclasses.replace(base, stages=2))]:
+                      ("kernel stages 2", dataclasses.replace(base, stages=2)),
+                      # 256-row CTAs: 64-column wgmmas, the weights' tiles shared by more rows
+                      ("kernel bm 128 bn 64", dataclasses.replace(base, bm=128, bn=64))]:
     out.append((name, lambda y, a, b, t=tiles: swiglu_lib.swiglu(y, a, b, t=t)))
   return out
 
