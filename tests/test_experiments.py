@@ -218,11 +218,13 @@ def test_every_sweep_entry_parses_and_its_config_validates(monkeypatch):
 
 def test_profile_summary_per_step_scales_the_micro_batches(tmp_path):
   """--per-step 2 16: a traced step of 2 micro-batches scaled to 16 (x8) for the micro-batch
-  program's kernels, the optimizer's once; arithmetic sums matmul, attention and loss head."""
+  program's kernels, the optimizer's once; arithmetic sums matmul, attention and loss head. The
+  SwiGLU kernel is a matmul, the loss head's Mosaic kernel not."""
   gpu = {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}}
   event = lambda name, module, dur: {"ph": "X", "pid": 7, "name": name, "ts": 0, "dur": dur,
                                      "args": {"hlo_module": module}}
-  trace = {"traceEvents": [gpu, event("nvjet_sm90_tst", "jit_grad_step", 1e6),
+  trace = {"traceEvents": [gpu, event("nvjet_sm90_tst", "jit_grad_step", 0.75e6),
+                           event("mosaic_swiglu", "jit_grad_step", 0.25e6),  # a matmul
                            event("cudnn_sdpa_bprop", "jit_grad_step", 0.5e6),
                            event("mosaic_loss_head", "jit_grad_step", 0.25e6),
                            event("loop_add_fusion", "jit_grad_step", 0.125e6),

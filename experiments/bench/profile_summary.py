@@ -60,6 +60,8 @@ def kind_of(name: str, module: str) -> str:
     return "matmul"
   if "gmm_kernel" in name:  # kdjax/kernels/grouped.py: the experts' grouped matmuls (MoE)
     return "experts"
+  if "mosaic_swiglu" in name:  # kdjax/kernels/swiglu.py: the MLP's gate and up matmuls
+    return "matmul"
   if "pallas" in name.lower() or "mosaic" in name.lower() or name.startswith(("_kernel", "exp_",
                                                                               "dense_")):
     return "loss head"
