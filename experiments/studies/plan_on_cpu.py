@@ -86,11 +86,11 @@ def as_gpu_program():
   their kernel sizes), and JAX's cuDNN checks answered as on a Hopper GPU with cuDNN 9.10. Only
   tracing and compiling follow; nothing runs."""
   from jax._src.cudnn import fused_attention_stablehlo as cudnn_sdpa
-  from kdjax.kernels import grouped, mgpu
+  from kdjax.kernels import mosaic
   jax.default_backend = lambda: "gpu"
   cudnn_sdpa.check_compute_capability = lambda capability: True
   cudnn_sdpa.is_cuda_compute_capability_equal = lambda capability: False
-  mgpu._num_sms = grouped._num_sms = lambda: H200_SMS
+  mosaic.num_sms = lambda: H200_SMS
 
 
 def h200_sharding() -> NamedSharding:

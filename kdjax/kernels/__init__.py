@@ -9,6 +9,8 @@
                 reference grouped_matmul_reference (jax.lax.ragged_dot). Run by models/moe.py.
   swiglu        the dense MLP's gate and up matmuls with the gating in their epilogue (Mosaic
                 GPU): swiglu; reference swiglu_reference. Run by models/llama.py (mlp_impl).
+  mosaic        what the Mosaic GPU kernels share: where they run, their grid, shared-memory
+                layouts, the epilogue's tiled store.
 
 Off GPU every kernel runs in its interpreter, so CPU tests cover the same code. Nothing here
 imports the rest of kdjax.

@@ -40,6 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kdjax.kernels import mosaic
+
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
@@ -67,12 +69,8 @@ class Groups(NamedTuple):
   bm: int                   # rows per tile (static)
 
 
-def _on_gpu() -> bool:
-  return jax.default_backend() == "gpu"
-
-
 def tiles() -> Tiles:
-  return GPU_TILES if _on_gpu() else INTERPRET_TILES
+  return GPU_TILES if mosaic.on_gpu() else INTERPRET_TILES
 
 
 def padded_rows(rows: int, experts: int, bm: int) -> int:
@@ -117,14 +115,6 @@ def _transforms(dtype):
   swizzle = 128
   return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
           plgpu.SwizzleTransform(swizzle))
-
-
-def _interpret_params():
-  return None if _on_gpu() else plgpu.InterpretGPUParams()
-
-
-def _num_sms() -> int:
-  return jax.devices()[0].core_count if _on_gpu() else 2
 
 
 def _store(acc_MxN, out_gmem_tile, dtype):
@@ -203,9 +193,9 @@ def _tgmm_kernel(tile_start_gmem, tiles_gmem, lhs_gmem, rhs_gmem, out_gmem, *, t
 
 def _call(body, out_type, *args):
   return plgpu.kernel(
-      body, out_type=out_type, grid=(_num_sms(),), grid_names=("sm",),
+      body, out_type=out_type, grid=(mosaic.num_sms(),), grid_names=("sm",),
       kernel_name=body.func.__name__.lstrip("_"),  # gmm_kernel / tgmm_kernel in profiles
-      interpret=_interpret_params(),
+      interpret=mosaic.interpret_params(),
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(*args)
 
@@ -268,7 +258,7 @@ def grouped_matmul(lhs_PxK, rhs, groups: Groups, transpose_rhs: bool = False, fo
   with transpose_rhs). The kernels where they apply on a GPU (force: off GPU too, in the
   interpreter, for tests), else the reference. Accumulation in float32, lhs's dtype out."""
   t = t or tiles()
-  on = (_on_gpu() or force) and applies(lhs_PxK, rhs, groups.bm, t)
+  on = (mosaic.on_gpu() or force) and applies(lhs_PxK, rhs, groups.bm, t)
   if not on:
     return grouped_matmul_reference(lhs_PxK, rhs, groups, transpose_rhs)
   arrays = (groups.tile_expert_M, groups.tile_start_X, groups.tiles_X)

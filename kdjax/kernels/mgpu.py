@@ -31,6 +31,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kdjax.kernels import mosaic
+
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
@@ -49,12 +51,8 @@ GPU_TILES = Tiles()
 INTERPRET_TILES = Tiles(bm=64, bn=128, bk=64, stages=2, epi=64, group=2)
 
 
-def _on_gpu() -> bool:
-  return jax.default_backend() == "gpu"
-
-
 def tiles() -> Tiles:
-  return GPU_TILES if _on_gpu() else INTERPRET_TILES
+  return GPU_TILES if mosaic.on_gpu() else INTERPRET_TILES
 
 
 def fits(rows: int, dim: int, vocab: int, t: Tiles | None = None) -> bool:
@@ -74,38 +72,6 @@ def logits_exp_reference(h_CxD, w_DxV, scale, shift_C=None, bn=GPU_TILES.bn, wit
   return out + ((jnp.sum(jnp.exp(tiles_CxPxW) * tiles_CxPxW, -1).T,) if with_xex else ())
 
 
-def _interpret_params():
-  if _on_gpu():
-    return None
-  return plgpu.InterpretGPUParams()  # CPU: Mosaic GPU's interpreter
-
-
-def _num_sms():
-  return jax.devices()[0].core_count if _on_gpu() else 2
-
-
-def smem_transforms(width: int, item: int):
-  """Shared-memory tiling and swizzle for tiles `width` items of `item` bytes wide (TMA, wgmma)."""
-  swizzle = plgpu.find_swizzle(width * item * 8)
-  return (plgpu.TilingTransform((8, swizzle // item)), plgpu.SwizzleTransform(swizzle))
-
-
-def store_tile(tile, slots_smem, out_gmem, row0, col0, epi: int):
-  """A warpgroup's register tile [R, C] into out_gmem at (row0, col0), in [epi, epi] sub-tiles
-  through its two shared-memory slots slots_smem [2, epi, epi]: one is filled while the other's
-  copy runs."""
-  count = 0
-  for i in range(tile.shape[0] // epi):
-    for j in range(tile.shape[1] // epi):
-      slot = count % 2
-      count += 1
-      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-      slots_smem[slot] = tile[i * epi:(i + 1) * epi, j * epi:(j + 1) * epi]
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(
-          slots_smem.at[slot], out_gmem.at[pl.ds(row0 + i * epi, epi), pl.ds(col0 + j * epi, epi)])
-
-
 def _kernel(*refs, t: Tiles, scale: float, shifted: bool, with_xex: bool):
   h_gmem, w_gmem, *refs = refs
   shift_gmem = refs.pop(0) if shifted else None
@@ -115,7 +81,7 @@ def _kernel(*refs, t: Tiles, scale: float, shifted: bool, with_xex: bool):
   m_tiles, n_tiles, k_steps = m // cta_m, w_gmem.shape[1] // t.bn, k // t.bk
   dtype = h_gmem.dtype
 
-  in_transforms = smem_transforms(t.bk, dtype.itemsize)
+  in_transforms = mosaic.smem_transforms(t.bk, dtype.itemsize)
 
   def pipeline(body, context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -135,7 +101,7 @@ def _kernel(*refs, t: Tiles, scale: float, shifted: bool, with_xex: bool):
       allocs=pipeline(noop, noop).get_allocations(h_gmem, w_gmem),
       # Per compute warpgroup two slots each: one is filled while the other's copy runs.
       e_smem=plgpu.SMEM((2, 2, t.epi, t.epi), dtype,
-                        transforms=smem_transforms(t.epi, dtype.itemsize)),
+                        transforms=mosaic.smem_transforms(t.epi, dtype.itemsize)),
       stat_smem=plgpu.SMEM((2, 3 if with_xex else 2, t.bm), jnp.float32),
       collective_axes="wg")
   def _scope(allocs, e_smem, stat_smem):
@@ -162,7 +128,7 @@ def _kernel(*refs, t: Tiles, scale: float, shifted: bool, with_xex: bool):
           stat_smem[wg, 1] = jnp.max(x2, axis=1) * (1 / LOG2_E)
           if with_xex:  # for the entropy: sum of exp(x) * x
             stat_smem[wg, 2] = jnp.sum(ex * x2, axis=1) * (1 / LOG2_E)
-          store_tile(ex.astype(dtype), e_smem.at[wg], e_gmem, row0, ni * t.bn, t.epi)
+          mosaic.store_tile(ex.astype(dtype), e_smem.at[wg], e_gmem, row0, ni * t.bn, t.epi)
           plgpu.copy_smem_to_gmem(stat_smem.at[wg, 0], sum_gmem.at[ni, rows])
           plgpu.copy_smem_to_gmem(stat_smem.at[wg, 1], max_gmem.at[ni, rows])
           if with_xex:
@@ -198,9 +164,9 @@ def logits_exp(h_CxD, w_DxV, scale: float, shift_C=None, e_ref=None, t: Tiles | 
   kernel = functools.partial(_kernel, t=t, scale=float(scale), shifted=shift_C is not None,
                              with_xex=with_xex)
   call = plgpu.kernel(
-      kernel, out_type=out_type, grid=(_num_sms(),), grid_names=("sm",), num_threads=3,
+      kernel, out_type=out_type, grid=(mosaic.num_sms(),), grid_names=("sm",), num_threads=3,
       kernel_name="mosaic_loss_head",  # its name in profiles
-      thread_name="wg", interpret=_interpret_params(),
+      thread_name="wg", interpret=mosaic.interpret_params(),
       compiler_params=plgpu.CompilerParams(
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   args = (h_CxD, w_DxV) + (() if shift_C is None else (shift_C.astype(jnp.float32),))

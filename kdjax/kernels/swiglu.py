@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from kdjax.kernels import mgpu
+from kdjax.kernels import mgpu, mosaic
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma's 16-bit inputs
 
 
 def tiles() -> Tiles:
-  return GPU_TILES if mgpu._on_gpu() else INTERPRET_TILES
+  return GPU_TILES if mosaic.on_gpu() else INTERPRET_TILES
 
 
 def fits(dim: int, width: int, t: Tiles | None = None) -> bool:
@@ -81,7 +81,7 @@ def _kernel(y_gmem, wg_gmem, wu_gmem, h_gmem, *, t: Tiles):
   dtype = y_gmem.dtype
 
   def spec(shape, index):
-    return plgpu.BlockSpec(shape, index, transforms=mgpu.smem_transforms(t.bk, dtype.itemsize),
+    return plgpu.BlockSpec(shape, index, transforms=mosaic.smem_transforms(t.bk, dtype.itemsize),
                            memory_space=plgpu.SMEM)
 
   def pipeline(body, context):
@@ -99,7 +99,7 @@ def _kernel(y_gmem, wg_gmem, wu_gmem, h_gmem, *, t: Tiles):
       allocs=pipeline(noop, noop).get_allocations(y_gmem, wg_gmem, wu_gmem),
       # Per compute warpgroup two slots each: one is filled while the other's copy runs.
       h_smem=plgpu.SMEM((2, 2, t.epi, t.epi), dtype,
-                        transforms=mgpu.smem_transforms(t.epi, dtype.itemsize)),
+                        transforms=mosaic.smem_transforms(t.epi, dtype.itemsize)),
       collective_axes="wg")
   def _scope(allocs, h_smem):
     wg = lax.axis_index("wg")
@@ -119,7 +119,7 @@ def _kernel(y_gmem, wg_gmem, wu_gmem, h_gmem, *, t: Tiles):
           # silu(g) = g * sigmoid(g) = g / (1 + 2^(-g log2 e)): one ex2 per entry. A very
           # negative g overflows the power to inf and gives -0, the limit.
           h = (g / (1.0 + jnp.exp2(g * -mgpu.LOG2_E)) * up[...]).astype(dtype)
-          mgpu.store_tile(h, h_smem.at[wg], h_gmem, row0, ni * t.bn, t.epi)
+          mosaic.store_tile(h, h_smem.at[wg], h_gmem, row0, ni * t.bn, t.epi)
 
       def mma(_, y_smem, wg_smem, wu_smem, accs):
         gate, up = accs
@@ -151,9 +151,9 @@ def _swiglu_kernel(y_NxD, w_gate_DxF, w_up_DxF, t: Tiles):
   call = plgpu.kernel(
       functools.partial(_kernel, t=t),
       out_type=jax.ShapeDtypeStruct((rows + pad, width), y_NxD.dtype),
-      grid=(mgpu._num_sms(),), grid_names=("sm",), num_threads=3,
+      grid=(mosaic.num_sms(),), grid_names=("sm",), num_threads=3,
       kernel_name="mosaic_swiglu",  # its name in profiles
-      thread_name="wg", interpret=mgpu._interpret_params(),
+      thread_name="wg", interpret=mosaic.interpret_params(),
       compiler_params=plgpu.CompilerParams(
           approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   return call(y_NxD, w_gate_DxF, w_up_DxF)[:rows]
@@ -194,7 +194,7 @@ def _op(t: Tiles):
   kernel = functools.partial(_swiglu_kernel, t=t)
   # Mosaic GPU's interpreter (off GPU) runs host callbacks, whose effects custom_partitioning
   # cannot carry; it runs on one device there anyway.
-  return partitioned(kernel) if mgpu._on_gpu() else kernel
+  return partitioned(kernel) if mosaic.on_gpu() else kernel
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
