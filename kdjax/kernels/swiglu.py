@@ -21,8 +21,9 @@ accumulators take the registers of logits_exp's one [128, BN] tile; every wgmma 
 Off GPU it runs in Mosaic GPU's interpreter, so CPU tests cover the same code.
 
 Under a mesh of several devices XLA's partitioner runs the kernel on each device's rows and
-weight columns (`partitioned`). Gradients (custom_vjp) are the reference's, recomputing both products: the kernel serves forward
-passes (the teacher's cache stage); a differentiated model gains nothing from it.
+weight columns (`partitioned`). Gradients (custom_vjp) are the reference's, recomputing both
+products: the kernel serves forward passes (the teacher's cache stage); a differentiated model
+gains nothing from it.
 
 Reference: `swiglu_reference` (XLA). Shape letters: N rows (positions), D model width (the
 contraction), F the MLP's hidden width; BM, BN, BK the matmul's tile sizes (rows per warpgroup,
