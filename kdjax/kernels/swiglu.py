@@ -20,8 +20,8 @@ accumulators take the registers of logits_exp's one [128, BN] tile; every wgmma 
 [256, BN] GEMM tile. Rows are padded to the CTA's; needs D % BK == 0 and F % BN == 0 (`fits`).
 Off GPU it runs in Mosaic GPU's interpreter, so CPU tests cover the same code.
 
-Under a mesh of several devices XLA's partitioner runs the kernel on each device's rows and
-weight columns (`partitioned`). Gradients (custom_vjp) are the reference's, recomputing both
+Under a mesh of several devices XLA's partitioner runs the kernel on each device's rows
+(`partitioned`). Gradients (custom_vjp) are the reference's, recomputing both
 products: the kernel serves forward passes (the teacher's cache stage); a differentiated model
 gains nothing from it.
 
@@ -162,31 +162,27 @@ def _swiglu_kernel(y_NxD, w_gate_DxF, w_up_DxF, t: Tiles):
 
 def partitioned(per_shard):
   """per_shard(y [N, D], w_gate [D, F], w_up [D, F]) -> [N, F] as one op XLA's partitioner
-  splits: each device runs it on its rows of y and its columns of the weights (the contraction
-  D gathered), and holds those rows and columns of h. Without this XLA cannot partition the
-  kernel's custom call and would gather every operand onto every device."""
+  splits by rows: each device runs it on its rows of y with whole weights (gathered where they
+  are sharded, as XLA gathers a fully sharded weight for its matmul) and holds those rows of h.
+  Without this XLA cannot partition the kernel's custom call and would gather every operand onto
+  every device. The columns are never split: the teacher's mesh is one fsdp group, and splitting
+  both by one axis is not possible."""
 
   @custom_partitioning.custom_partitioning
   def op(y_NxD, w_gate_DxF, w_up_DxF):
     return per_shard(y_NxD, w_gate_DxF, w_up_DxF)
 
-  def axes(arg_shapes):
-    spec_y, spec_w = (tuple(a.sharding.spec) + (None, None) for a in arg_shapes[:2])
-    return spec_y[0], spec_w[1]
-
-  def infer(mesh, arg_shapes, result_shape):
-    del result_shape
-    return NamedSharding(mesh, P(*axes(arg_shapes)))
+  def rows(mesh, arg_shapes):
+    spec_y = tuple(arg_shapes[0].sharding.spec) + (None,)
+    return NamedSharding(mesh, P(spec_y[0], None))
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
-    rows, cols = axes(arg_shapes)
-    w = NamedSharding(mesh, P(None, cols))
-    return mesh, per_shard, NamedSharding(mesh, P(rows, cols)), (
-        NamedSharding(mesh, P(rows, None)), w, w)
+    whole = NamedSharding(mesh, P(None, None))
+    return mesh, per_shard, rows(mesh, arg_shapes), (rows(mesh, arg_shapes), whole, whole)
 
-  op.def_partition(partition, infer_sharding_from_operands=infer,
-                   sharding_rule="n d, d f, d f -> n f", need_replication_factors=("d",))
+  op.def_partition(partition, infer_sharding_from_operands=lambda mesh, a, _: rows(mesh, a),
+                   sharding_rule="n d, d f, d f -> n f", need_replication_factors=("d", "f"))
   return op
 
 
