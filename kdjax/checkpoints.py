@@ -43,8 +43,10 @@ class Checkpoints:
     meta = self.manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
     # A field added to ModelConfig after the checkpoint was written has its default there.
     meta = {**_meta(llama.ModelConfig()), **meta}
-    ours = {k: v for k, v in self.model_meta.items() if k not in RUNTIME}
-    if {k: v for k, v in meta.items() if k not in RUNTIME} != ours:
+    # A checkpoint resumes under other values of how its model runs (llama.RUNTIME; remat "auto"
+    # is resolved per run, and checkpoints before the policies hold true / false).
+    ours = {k: v for k, v in self.model_meta.items() if k not in llama.RUNTIME}
+    if {k: v for k, v in meta.items() if k not in llama.RUNTIME} != ours:
       diff = {k: (meta.get(k), v) for k, v in ours.items() if meta.get(k) != v}
       raise UserError(
           f"{self.manager.directory} holds a checkpoint of a different model (saved vs config: "
@@ -61,11 +63,6 @@ class Checkpoints:
 
   def close(self):
     self.manager.close()
-
-
-# A checkpoint resumes under other values of these (remat "auto" is resolved per run; checkpoints
-# before the policies hold true / false).
-RUNTIME = llama.RUNTIME
 
 
 def _meta(model_cfg: llama.ModelConfig) -> dict:

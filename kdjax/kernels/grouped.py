@@ -134,9 +134,8 @@ def _gmm_kernel(tile_expert_gmem, lhs_gmem, rhs_gmem, out_gmem, *, t: Tiles, bn:
   m_tiles, n_tiles = p // t.bm, out_gmem.shape[1] // bn
   transforms = _transforms(lhs_gmem.dtype)
 
-  @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
-  def _tile_loop(info):
-    mi, ni = plgpu.planar_snake(info.index[0], (m_tiles, n_tiles), 0, t.group)
+  @mosaic.over_tiles(m_tiles, n_tiles, t.group)
+  def _tile(mi, ni):
     expert = tile_expert_gmem[mi]
     steps = jnp.where(expert >= 0, k // t.bk, 0)  # a tile of no expert: zeros
 

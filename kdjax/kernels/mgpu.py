@@ -107,10 +107,8 @@ def _kernel(*refs, t: Tiles, scale: float, shifted: bool, with_xex: bool):
   def _scope(allocs, e_smem, stat_smem):
     wg = lax.axis_index("wg")
 
-    @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
-    def _tile_loop(info):
-      (tile,) = info.index
-      mi, ni = plgpu.planar_snake(tile, (m_tiles, n_tiles), 0, t.group)
+    @mosaic.over_tiles(m_tiles, n_tiles, t.group)
+    def _tile(mi, ni):
       row0 = mi * cta_m + wg * t.bm
       rows = pl.ds(row0, t.bm)
 

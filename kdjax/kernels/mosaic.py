@@ -20,6 +20,17 @@ def num_sms() -> int:
   return jax.devices()[0].core_count if on_gpu() else 2
 
 
+def over_tiles(m_tiles: int, n_tiles: int, group: int):
+  """Decorator: runs body(mi, ni) for every output tile of a persistent kernel, the CTAs ("sm")
+  taking the tiles in turn, in a snake order that visits `group` row tiles per column band (the
+  band's operands stay in L2)."""
+  def wrap(body):
+    @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+    def _tile_loop(info):
+      body(*plgpu.planar_snake(info.index[0], (m_tiles, n_tiles), 0, group))
+  return wrap
+
+
 def smem_transforms(width: int, item: int):
   """Shared-memory tiling and swizzle for tiles `width` items of `item` bytes wide (TMA, wgmma)."""
   swizzle = plgpu.find_swizzle(width * item * 8)

@@ -105,10 +105,8 @@ def _kernel(y_gmem, wg_gmem, wu_gmem, h_gmem, *, t: Tiles):
   def _scope(allocs, h_smem):
     wg = lax.axis_index("wg")
 
-    @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
-    def _tile_loop(info):
-      (tile,) = info.index
-      mi, ni = plgpu.planar_snake(tile, (m_tiles, n_tiles), 0, t.group)
+    @mosaic.over_tiles(m_tiles, n_tiles, t.group)
+    def _tile(mi, ni):
       row0 = mi * cta_m + wg * t.bm
 
       def context(run):
