@@ -49,7 +49,7 @@ def ways():
   base = swiglu_lib.GPU_TILES
   out = [("xla", xla_way), ("kernel", swiglu_lib.swiglu)]
   for name, tiles in [("kernel stages 4", dataclasses.replace(base, stages=4)),
-                      ("kernel group 16", dataclasses.replace(base, group=16)),
+                      ("kernel group 8", dataclasses.replace(base, group=8)),
                       ("kernel group 4", dataclasses.replace(base, group=4)),
                       ("kernel stages 2", dataclasses.replace(base, stages=2)),
                       # 256-row CTAs: 64-column wgmmas, the weights' tiles shared by more rows

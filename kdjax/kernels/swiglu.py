@@ -50,7 +50,7 @@ class Tiles:
   bk: int = 64
   stages: int = 3  # 48 KiB of operand tiles a stage (bf16), h's slots 32 KiB
   epi: int = 64   # rows and columns per epilogue store of h
-  group: int = 8  # row tiles visited per column band (the weights' band is reused from L2)
+  group: int = 16  # row tiles visited per column band (the weights' band is reused from L2)
 
 
 GPU_TILES = Tiles()
