@@ -131,6 +131,24 @@ def test_config_refuses_the_kernel_where_it_cannot_run():
     llama.ModelConfig(**{**base, "d_ff": 96}, dtype="bfloat16").validate()
 
 
+def test_auto_takes_the_kernel_only_where_it_applies(monkeypatch):
+  """mlp_impl "auto" (the teachers' default): the kernel on a GPU for a bf16 dense MLP of widths
+  its tiles take, else "xla"; never an error."""
+  from kdjax import config
+  from kdjax.kernels import mosaic
+  base = llama.ModelConfig(vocab_size=96, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1,
+                           head_dim=32, d_ff=128, dtype="bfloat16", mlp_impl="auto").validate()
+  others = [dataclasses.replace(base, **change).validate() for change in (
+      dict(dtype="float32"), dict(d_ff=96), dict(d_model=48, head_dim=24),
+      dict(n_experts=4, experts_per_token=2))]
+  assert not base.mlp_kernel()  # no GPU here
+  monkeypatch.setattr(mosaic, "on_gpu", lambda: True)
+  assert base.mlp_kernel() and not any(cfg.mlp_kernel() for cfg in others)
+  assert dataclasses.replace(base, mlp_impl="xla").mlp_kernel() is False
+  c = config.base()
+  assert c.teacher.mlp_impl == "auto" and c.student.mlp_impl == "xla"
+
+
 # On 8 CPU devices (XLA_FLAGS before jax starts: a child process). Mosaic GPU's interpreter
 # cannot run on several CPU devices, so the op partitioned here is the reference; on a GPU
 # `swiglu` partitions its kernel the same way.

@@ -109,13 +109,12 @@ SWEEP = {
     # (35.2-36.9k on different H200s, 2026-12-04/05).
     "teacher-32k-profile": "teacher --seq-len 32768 --docs 8 --rows 16 "
                            "--profile /tmp/kdjax_e2e/profile_teacher_32k",
-    # The MLP's gate and up matmuls in one kernel with the gating in its epilogue (mlp_impl
-    # "pallas", kdjax/kernels/swiglu.py): the 46ee74d profile's SwiGLU fusion took 2.7% of the
-    # 32K step. Against teacher-8k / teacher-32k in the same call; the kernel alone:
-    # experiments/bench/swiglu_bench.py.
-    "teacher-8k-swiglu": "teacher --seq-len 8192 --docs 4 --rows 256 --set teacher.mlp_impl=pallas",
-    "teacher-32k-swiglu": "teacher --seq-len 32768 --docs 8 --rows 64 "
-                          "--set teacher.mlp_impl=pallas",
+    # The teacher's MLP is swiglu's kernel by default since 2026-12-06 (mlp_impl "auto": the gate
+    # and up matmuls in one Mosaic GPU kernel, the gating in its epilogue; the 46ee74d profile's
+    # SwiGLU fusion took 2.7% of the 32K step). The same runs with XLA's two GEMMs and a fusion,
+    # for the ratio in one call; the kernel alone: experiments/bench/swiglu_bench.py.
+    "teacher-8k-xla": "teacher --seq-len 8192 --docs 4 --rows 256 --set teacher.mlp_impl=xla",
+    "teacher-32k-xla": "teacher --seq-len 32768 --docs 8 --rows 64 --set teacher.mlp_impl=xla",
     # The configs' cache layout is "dictionary" since 2026-12-04 (eighth session); the same runs
     # with the compact layout measured before, for the ratio in one call.
     "teacher-8k-compact": "teacher --seq-len 8192 --docs 4 --rows 256 --set cache.layout=compact",

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kdjax.kernels import mosaic
 from kdjax.kernels import swiglu as swiglu_lib
 from kdjax.models import attention as attention_lib
 from kdjax.models import moe
@@ -28,7 +29,7 @@ from kdjax.models import remat as remat_lib
 from kdjax.models import rope
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-MLP_IMPLS = ("xla", "pallas")
+MLP_IMPLS = ("auto", "xla", "pallas")
 # Fields that say how a model runs, not what it is: a checkpoint resumes under other values, a
 # config group sets them for a Hugging Face checkpoint's model too, and a pruned student keeps
 # its own.
@@ -60,9 +61,10 @@ class ModelConfig:
   # block: least memory), "names", "dots", "offload", "none" (keep all: fastest), "auto".
   remat: str = "full"
   attention_impl: str = "auto"  # "auto" (cuDNN on GPU in bf16, else einsum), "einsum", "cudnn"
-  # The dense MLP's gate and up matmuls: "xla" (two GEMMs and a fusion), or "pallas" (one Mosaic
+  # The dense MLP's gate and up matmuls: "xla" (two GEMMs and a fusion), "pallas" (one Mosaic
   # GPU kernel with the gating in its epilogue, kdjax/kernels/swiglu.py: bf16 only, d_model %
-  # 64 and d_ff % 128; for forward passes such as the teacher's, its backward recomputes both).
+  # 64 and d_ff % 128; for forward passes such as the teacher's, its backward recomputes both),
+  # or "auto" ("pallas" where it applies on a GPU, else "xla"; the teachers' default).
   mlp_impl: str = "xla"
   # Mixtures of experts (Qwen3-MoE, gpt-oss): every layer's MLP is n_experts SwiGLU experts of
   # width d_ff, experts_per_token of them per token (kdjax/models/moe.py). 0: dense MLP.
@@ -90,6 +92,14 @@ class ModelConfig:
   def config_fields(cls) -> list[dataclasses.Field]:
     """The fields a config group sets (all but real_vocab_size, which comes from tokenizers)."""
     return [f for f in dataclasses.fields(cls) if f.name != "real_vocab_size"]
+
+  def mlp_kernel(self) -> bool:
+    """Whether the dense MLP runs swiglu's kernel: "pallas", or "auto" where it applies (a GPU,
+    bf16, dense, widths its tiles take)."""
+    if self.mlp_impl != "auto":
+      return self.mlp_impl == "pallas"
+    return (mosaic.on_gpu() and self.dtype == "bfloat16" and not self.n_experts
+            and swiglu_lib.fits(self.d_model, self.d_ff, swiglu_lib.GPU_TILES))
 
   @classmethod
   def runtime_of(cls, group) -> dict:
@@ -245,7 +255,7 @@ class Block(nnx.Module):
     if cfg.n_experts:
       return x_BxTxD + self.moe(y_BxTxD)
     w_gate_DxF, w_up_DxF = self.w_gate_DxF[...].astype(dt), self.w_up_DxF[...].astype(dt)
-    if cfg.mlp_impl == "pallas":
+    if cfg.mlp_kernel():
       b, t, d = y_BxTxD.shape
       h_BxTxF = swiglu_lib.swiglu(y_BxTxD.reshape(b * t, d), w_gate_DxF, w_up_DxF).reshape(
           b, t, -1)
