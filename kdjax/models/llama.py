@@ -98,8 +98,18 @@ class ModelConfig:
     bf16, dense, widths its tiles take)."""
     if self.mlp_impl != "auto":
       return self.mlp_impl == "pallas"
-    return (mosaic.on_gpu() and self.dtype == "bfloat16" and not self.n_experts
-            and swiglu_lib.fits(self.d_model, self.d_ff, swiglu_lib.GPU_TILES))
+    return mosaic.on_gpu() and self._mlp_kernel_refusal() is None
+
+  def _mlp_kernel_refusal(self) -> str | None:
+    """Why swiglu's kernel cannot run this model's MLP, or None."""
+    if self.dtype != "bfloat16" or self.n_experts:
+      return (f"runs a dense MLP in bfloat16; this model has dtype {self.dtype!r} and "
+              f"{self.n_experts} experts")
+    t = swiglu_lib.GPU_TILES
+    if not swiglu_lib.fits(self.d_model, self.d_ff, t):
+      return (f"needs d_model % {t.bk} == 0 and d_ff % {t.bn} == 0, got {self.d_model} and "
+              f"{self.d_ff}")
+    return None
 
   @classmethod
   def runtime_of(cls, group) -> dict:
@@ -142,14 +152,8 @@ class ModelConfig:
                        f"{self.attention_impl!r}.")
     if self.mlp_impl not in MLP_IMPLS:
       raise ValueError(f"{where}mlp_impl must be one of {MLP_IMPLS}, got {self.mlp_impl!r}.")
-    if self.mlp_impl == "pallas":
-      if self.dtype != "bfloat16" or self.n_experts:
-        raise ValueError(f"{where}mlp_impl 'pallas' runs a dense MLP in bfloat16; this model has "
-                         f"dtype {self.dtype!r} and {self.n_experts} experts: use 'xla'.")
-      if not swiglu_lib.fits(self.d_model, self.d_ff, swiglu_lib.GPU_TILES):
-        raise ValueError(f"{where}mlp_impl 'pallas' needs d_model % "
-                         f"{swiglu_lib.GPU_TILES.bk} == 0 and d_ff % {swiglu_lib.GPU_TILES.bn} "
-                         f"== 0, got {self.d_model} and {self.d_ff}: use 'xla'.")
+    if self.mlp_impl == "pallas" and (why := self._mlp_kernel_refusal()):
+      raise ValueError(f"{where}mlp_impl 'pallas' {why}: use 'xla'.")
     moe.validate(self, where)
     if self.sliding_window < 0:
       raise ValueError(f"{where}sliding_window must be >= 0 (0: none), got {self.sliding_window}.")
