@@ -1,0 +1,85 @@
+"""FP8 matmuls for training (ModelConfig.fp8_matmuls): a block's projections on Hopper's FP8
+tensor cores, twice the rate of bf16's.
+
+dot(x_MxK, w_KxN) quantizes both operands to float8_e4m3fn, each with one scale per tensor taken
+from its own largest magnitude (current scaling: no state to carry between steps), multiplies,
+and returns x's dtype. Its backward quantizes the incoming gradient to float8_e5m2 (more range,
+less precision) the same way and computes both products from the forward's FP8 operands, which
+are all it keeps: one byte a value where bf16 keeps two. The gradients are those of the
+quantized product (the straight-through rule of FP8 training recipes).
+
+Scales are powers of two, so a value's dequantization q * s is exact in any float dtype.
+Each product is written as dequantize -> dot (convert, multiply by the scale), the pattern XLA's
+GPU compiler turns into one cuBLASLt FP8 GEMM with the scales as its alphas; elsewhere (CPU
+tests) it runs as written, which is the reference: dot_reference computes the same quantized
+operands' product in float32.
+"""
+import jax
+import jax.numpy as jnp
+
+E4M3 = jnp.float8_e4m3fn  # activations and weights: 3 mantissa bits, max 448
+E5M2 = jnp.float8_e5m2    # gradients: 2 mantissa bits, max 57344
+
+
+def quantize(x: jax.Array, fp8_dtype) -> tuple[jax.Array, jax.Array]:
+  """(q, scale): x ~ q * scale, q in fp8_dtype, scale a float32 power of two putting x's largest
+  magnitude at or just under the format's largest finite value (1 for an all-zero x)."""
+  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  fmax = float(jnp.finfo(fp8_dtype).max)
+  # ceil(log2(amax / fmax)) exactly: frexp's mantissa is in [0.5, 1), 0.5 at a power of two.
+  mantissa, exponent = jnp.frexp(jnp.where(amax > 0, amax / fmax, 1.0))
+  scale = jnp.ldexp(jnp.float32(1), jnp.where(mantissa == 0.5, exponent - 1, exponent))
+  q = jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(fp8_dtype)
+  return q, scale
+
+
+def _dequantize(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+  return q.astype(dtype) * scale.astype(dtype)
+
+
+def _product(a, a_scale, b, b_scale, dims, dtype):
+  return jax.lax.dot_general(_dequantize(a, a_scale, dtype), _dequantize(b, b_scale, dtype),
+                             (dims, ((), ())), preferred_element_type=dtype)
+
+
+@jax.custom_vjp
+def dot(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
+  """x @ w through FP8 (see the module's doc); the result in x's dtype."""
+  return _dot_fwd(x_MxK, w_KxN)[0]
+
+
+def _dot_fwd(x_MxK, w_KxN):
+  if x_MxK.dtype != w_KxN.dtype:
+    raise TypeError(f"fp8.dot takes operands of one dtype, got {x_MxK.dtype} and {w_KxN.dtype}")
+  qx, sx = quantize(x_MxK, E4M3)
+  qw, sw = quantize(w_KxN, E4M3)
+  y_MxN = _product(qx, sx, qw, sw, ((1,), (0,)), x_MxK.dtype)
+  return y_MxN, (qx, sx, qw, sw)
+
+
+def _dot_bwd(residuals, g_MxN):
+  qx, sx, qw, sw = residuals
+  qg, sg = quantize(g_MxN, E5M2)
+  dx_MxK = _product(qg, sg, qw, sw, ((1,), (1,)), g_MxN.dtype)
+  dw_KxN = _product(qx, sx, qg, sg, ((0,), (0,)), g_MxN.dtype)
+  return dx_MxK, dw_KxN
+
+
+dot.defvjp(_dot_fwd, _dot_bwd)
+
+
+def dot_reference(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
+  """The same quantized operands multiplied in float32 (no custom rule: autodiff gives the
+  reference gradients without the backward's quantization of g)."""
+  qx, sx = quantize(x_MxK, E4M3)
+  qw, sw = quantize(w_KxN, E4M3)
+  return _product(qx, sx, qw, sw, ((1,), (0,)), jnp.float32)
+
+
+def project(x_Bx_xK: jax.Array, w_KxN_: jax.Array, fp8: bool) -> jax.Array:
+  """x [..., K] times w [K, ...]: through dot when fp8, else XLA's matmul in x's dtype."""
+  k = x_Bx_xK.shape[-1]
+  out_shape = x_Bx_xK.shape[:-1] + w_KxN_.shape[1:]
+  x_MxK, w_KxN = x_Bx_xK.reshape(-1, k), w_KxN_.reshape(k, -1).astype(x_Bx_xK.dtype)
+  y_MxN = dot(x_MxK, w_KxN) if fp8 else x_MxK @ w_KxN
+  return y_MxN.reshape(out_shape)
