@@ -118,12 +118,14 @@ NO_REMAT = {}  # family: (loss, gradients) with remat "none"
 
 
 @pytest.mark.parametrize("policy", [p for p in remat.CHOICES if p != "none"])  # auto unresolved
-@pytest.mark.parametrize("family", ["dense", "cudnn",
+@pytest.mark.parametrize("family", ["dense", "cudnn", "fp8",
                                     pytest.param("moe_sinks", marks=pytest.mark.slow)])
 def test_every_remat_policy_gives_the_loss_and_gradients_of_none(policy, family, request):
   """Also through the cuDNN path (its calls replaced by CPU stand-ins, 3 documents in 2 calls a
-  layer), whose backward reads the output and log-normalisers the policies keep."""
-  extra = dict(qk_norm=True) if family == "dense" else dict(
+  layer), whose backward reads the output and log-normalisers the policies keep, and with the
+  projections in FP8 (their backward reads the forward's quantized operands)."""
+  extra = dict(qk_norm=True) if family == "dense" else dict(fp8_matmuls=True) if (
+      family == "fp8") else dict(
       n_experts=4, experts_per_token=2, attention_sinks=True, sliding_window=5,
       attention_bias=True, expert_bias=True) if family == "moe_sinks" else dict(
       attention_impl="cudnn")

@@ -36,6 +36,12 @@ SWEEP = {
     "8k-names-b2": "student --config configs/8k.py --docs 4 --memory --set student.remat=names "
                    "--set opt.batch_size=2 --set opt.accum_steps=16",
     "8k-accum1": "student --config configs/8k.py --docs 4 --accum 1 --steps 6",
+    # The block's projections on FP8 tensor cores (student.fp8_matmuls, kdjax/models/fp8.py;
+    # the projections alone: experiments/bench/fp8_bench.py); remat auto plans the step again.
+    "8k-fp8": "student --config configs/8k.py --docs 4 --memory --set student.fp8_matmuls=True",
+    "32k-fp8": "student --config configs/32k.py --docs 8 --steps 2 --set student.fp8_matmuls=True",
+    "128k-fp8": "student --config configs/128k.py --docs 16 --accum 1 --steps 4 --memory "
+                "--set student.fp8_matmuls=True",
     # Rows as real text packs: this Python's stdlib files as documents (1 per 8K row at the
     # median, 33 at most; 4 and 48 at 32K: experiments/studies/documents_per_row.py), so the run's
     # documents bound is the fullest row's where the entries above hold 4 or 8 in every row.

@@ -14,6 +14,8 @@ GPU compiler turns into one cuBLASLt FP8 GEMM with the scales as its alphas; els
 tests) it runs as written, which is the reference: dot_reference computes the same quantized
 operands' product in float32.
 """
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -76,10 +78,16 @@ def dot_reference(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
   return _product(qx, sx, qw, sw, ((1,), (0,)), jnp.float32)
 
 
-def project(x_Bx_xK: jax.Array, w_KxN_: jax.Array, fp8: bool) -> jax.Array:
-  """x [..., K] times w [K, ...]: through dot when fp8, else XLA's matmul in x's dtype."""
-  k = x_Bx_xK.shape[-1]
-  out_shape = x_Bx_xK.shape[:-1] + w_KxN_.shape[1:]
-  x_MxK, w_KxN = x_Bx_xK.reshape(-1, k), w_KxN_.reshape(k, -1).astype(x_Bx_xK.dtype)
-  y_MxN = dot(x_MxK, w_KxN) if fp8 else x_MxK @ w_KxN
-  return y_MxN.reshape(out_shape)
+def matmul(spec: str, x: jax.Array, w: jax.Array, use_fp8: bool) -> jax.Array:
+  """jnp.einsum(spec, x, w) for a projection: x's last axes contracted with w's first ones
+  (e.g. "btd,dhe->bthe", "bthe,hed->btd"). Through dot when use_fp8, else XLA's einsum in
+  x's dtype."""
+  if not use_fp8:
+    return jnp.einsum(spec, x, w)
+  x_axes, w_axes = spec.split("->")[0].split(",")
+  n = len(set(x_axes) & set(w_axes))
+  if x_axes[len(x_axes) - n:] != w_axes[:n]:
+    raise ValueError(f"fp8.matmul contracts x's last axes with w's first ones, got {spec!r}")
+  k = math.prod(w.shape[:n])
+  y_MxN = dot(x.reshape(-1, k), w.reshape(k, -1))
+  return y_MxN.reshape(x.shape[:x.ndim - n] + w.shape[n:])

@@ -24,6 +24,7 @@ from flax import nnx
 from kdjax.kernels import mosaic
 from kdjax.kernels import swiglu as swiglu_lib
 from kdjax.models import attention as attention_lib
+from kdjax.models import fp8
 from kdjax.models import moe
 from kdjax.models import remat as remat_lib
 from kdjax.models import rope
@@ -33,7 +34,7 @@ MLP_IMPLS = ("auto", "xla", "pallas")
 # Fields that say how a model runs, not what it is: a checkpoint resumes under other values, a
 # config group sets them for a Hugging Face checkpoint's model too, and a pruned student keeps
 # its own.
-RUNTIME = ("remat", "attention_impl", "mlp_impl")
+RUNTIME = ("remat", "attention_impl", "mlp_impl", "fp8_matmuls")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,10 @@ class ModelConfig:
   # 64 and d_ff % 128; for forward passes such as the teacher's, its backward recomputes both),
   # or "auto" ("pallas" where it applies on a GPU, else "xla"; the teachers' default).
   mlp_impl: str = "xla"
+  # The block's projections (q, k, v, o and the dense MLP's gate, up, down) on FP8 tensor cores
+  # (kdjax/models/fp8.py: e4m3 operands, e5m2 gradients, one power-of-two scale per tensor);
+  # embeddings, the loss head, the attention and experts stay in dtype. Off: dtype throughout.
+  fp8_matmuls: bool = False
   # Mixtures of experts (Qwen3-MoE, gpt-oss): every layer's MLP is n_experts SwiGLU experts of
   # width d_ff, experts_per_token of them per token (kdjax/models/moe.py). 0: dense MLP.
   n_experts: int = 0          # X, experts per layer (0 = dense)
@@ -102,6 +107,8 @@ class ModelConfig:
 
   def _mlp_kernel_refusal(self) -> str | None:
     """Why swiglu's kernel cannot run this model's MLP, or None."""
+    if self.fp8_matmuls:
+      return "computes in bf16; this model has fp8_matmuls on"
     if self.dtype != "bfloat16" or self.n_experts:
       return (f"runs a dense MLP in bfloat16; this model has dtype {self.dtype!r} and "
               f"{self.n_experts} experts")
@@ -222,9 +229,13 @@ class Block(nnx.Module):
     if cfg.n_experts:
       self.moe = moe.MoE(cfg, out_std, rngs=rngs)
 
+  def _matmul(self, spec: str, x, w: nnx.Param):
+    """A projection, x times w in the compute dtype: through FP8 if cfg.fp8_matmuls."""
+    return fp8.matmul(spec, x, w[...].astype(DTYPES[self.cfg.dtype]), self.cfg.fp8_matmuls)
+
   def _project(self, y_BxTxD, name: str, bias: str):
     dt = DTYPES[self.cfg.dtype]
-    out = jnp.einsum("btd,dhe->bthe", y_BxTxD, getattr(self, name)[...].astype(dt))
+    out = self._matmul("btd,dhe->bthe", y_BxTxD, getattr(self, name))
     return out + getattr(self, bias)[...].astype(dt)[None, None] if self.cfg.attention_bias else out
 
   def __call__(self, x_BxTxD, positions_BxT, segment_ids_BxT, inv_freq, max_documents,
@@ -250,7 +261,7 @@ class Block(nnx.Module):
         q_BxTxHxE, k_BxTxGxE, v_BxTxGxE, segment_ids_BxT, cfg.attention_impl, max_documents,
         sinks_H=self.sinks_H[...] if cfg.attention_sinks else None, window=self.window)
     a_BxTxHxE = taps["a_BxTxHxE"] = remat_lib.name(a_BxTxHxE, "attention")
-    o_BxTxD = jnp.einsum("bthe,hed->btd", a_BxTxHxE, self.wo_HxExD[...].astype(dt))
+    o_BxTxD = self._matmul("bthe,hed->btd", a_BxTxHxE, self.wo_HxExD)
     if cfg.attention_bias:
       o_BxTxD = o_BxTxD + self.bo_D[...].astype(dt)[None, None]
     x_BxTxD = x_BxTxD + o_BxTxD
@@ -258,17 +269,17 @@ class Block(nnx.Module):
     y_BxTxD = taps["y_mlp_BxTxD"] = rms_norm(x_BxTxD, self.mlp_norm_D[...], cfg.norm_eps)
     if cfg.n_experts:
       return x_BxTxD + self.moe(y_BxTxD)
-    w_gate_DxF, w_up_DxF = self.w_gate_DxF[...].astype(dt), self.w_up_DxF[...].astype(dt)
     if cfg.mlp_kernel():
       b, t, d = y_BxTxD.shape
-      h_BxTxF = swiglu_lib.swiglu(y_BxTxD.reshape(b * t, d), w_gate_DxF, w_up_DxF).reshape(
-          b, t, -1)
+      h_BxTxF = swiglu_lib.swiglu(y_BxTxD.reshape(b * t, d), self.w_gate_DxF[...].astype(dt),
+                                  self.w_up_DxF[...].astype(dt)).reshape(b, t, -1)
     else:
-      gate_BxTxF = remat_lib.name(jnp.einsum("btd,df->btf", y_BxTxD, w_gate_DxF), "mlp_gate")
-      up_BxTxF = remat_lib.name(jnp.einsum("btd,df->btf", y_BxTxD, w_up_DxF), "mlp_up")
+      gate_BxTxF = remat_lib.name(self._matmul("btd,df->btf", y_BxTxD, self.w_gate_DxF),
+                                  "mlp_gate")
+      up_BxTxF = remat_lib.name(self._matmul("btd,df->btf", y_BxTxD, self.w_up_DxF), "mlp_up")
       h_BxTxF = jax.nn.silu(gate_BxTxF) * up_BxTxF
     taps["h_BxTxF"] = h_BxTxF
-    return x_BxTxD + jnp.einsum("btf,fd->btd", h_BxTxF, self.w_down_FxD[...].astype(dt))
+    return x_BxTxD + self._matmul("btf,fd->btd", h_BxTxF, self.w_down_FxD)
 
 
 class Transformer(nnx.Module):
