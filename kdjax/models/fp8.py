@@ -8,11 +8,12 @@ less precision) the same way and computes both products from the forward's FP8 o
 are all it keeps: one byte a value where bf16 keeps two. The gradients are those of the
 quantized product (the straight-through rule of FP8 training recipes).
 
-Scales are powers of two, so a value's dequantization q * s is exact in any float dtype.
-Each product is written as dequantize -> dot (convert, multiply by the scale), the pattern XLA's
-GPU compiler turns into one cuBLASLt FP8 GEMM with the scales as its alphas; elsewhere (CPU
-tests) it runs as written, which is the reference: dot_reference computes the same quantized
-operands' product in float32.
+Scales are powers of two, so a value's dequantization q * s is exact in any float dtype. Each
+product is a dot of the FP8 arrays themselves with the two scales applied to its float32 result.
+Written the other way round, dequantize -> dot (the pattern cuBLASLt's FP8 rewrite looks for), it
+lost the FP8 GEMM to XLA's Triton GEMM rewriter, which runs first and took the dequantized bf16
+operands (a bf16 GEMM: XLA's H200 program compiled on a CPU, 2026-12-06). dot_reference is the
+same product with the FP8 operands converted to float32 first.
 """
 import math
 
@@ -35,13 +36,12 @@ def quantize(x: jax.Array, fp8_dtype) -> tuple[jax.Array, jax.Array]:
   return q, scale
 
 
-def _dequantize(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-  return q.astype(dtype) * scale.astype(dtype)
-
-
 def _product(a, a_scale, b, b_scale, dims, dtype):
-  return jax.lax.dot_general(_dequantize(a, a_scale, dtype), _dequantize(b, b_scale, dtype),
-                             (dims, ((), ())), preferred_element_type=dtype)
+  """(a * a_scale) . (b * b_scale) contracted over dims: the FP8 operands go into the dot as they
+  are (XLA's GPU compiler makes it an FP8 GEMM, Triton's or cuBLASLt's, whichever its autotuner
+  times faster), accumulated in float32, the scales applied to the result."""
+  y = jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
+  return (y * (a_scale * b_scale)).astype(dtype)
 
 
 @jax.custom_vjp
@@ -71,11 +71,11 @@ dot.defvjp(_dot_fwd, _dot_bwd)
 
 
 def dot_reference(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:
-  """The same quantized operands multiplied in float32 (no custom rule: autodiff gives the
-  reference gradients without the backward's quantization of g)."""
+  """The same quantized operands, dequantized to float32 and multiplied (no custom rule:
+  autodiff gives the reference gradients without the backward's quantization of g)."""
   qx, sx = quantize(x_MxK, E4M3)
   qw, sw = quantize(w_KxN, E4M3)
-  return _product(qx, sx, qw, sw, ((1,), (0,)), jnp.float32)
+  return (qx.astype(jnp.float32) * sx) @ (qw.astype(jnp.float32) * sw)
 
 
 def matmul(spec: str, x: jax.Array, w: jax.Array, use_fp8: bool) -> jax.Array:
