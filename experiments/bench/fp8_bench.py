@@ -7,7 +7,8 @@ ModelConfig.fp8_matmuls runs): forward, and forward + backward (the gradients of
 
 Inputs: random bf16 rows x [M, K] (unit variance) and weights [K, N] (scaled as initialised).
 Each line: the median ms (attention_bench's repeats after its warm-ups, block_until_ready),
-TFLOP/s counting 2 M K N per product (one forward, three forward + backward), the error against
+TFLOP/s counting 2 M K N per product (one forward, three forward + backward: y, dx, dw; lines of
+bc0e311 ran two, dx and dw, and count those: "gemms"), the error against
 the float32 product, whether the compiled program called cuBLASLt's FP8 GEMM
 ("__cublas$lt$matmul$f8" in its HLO) and the GPU's clocks over the timing (gpu_watch).
 """
@@ -38,9 +39,12 @@ WAYS = {"bf16": lambda x, w: x @ w, "fp8": fp8.dot}
 
 
 def fwd_bwd(way):
+  """(forward, forward + backward); the latter returns the loss too, so the forward product is
+  computed (under jax.grad alone it is dead code: the gradients need g, not y)."""
   def loss(x, w, g):
     return jnp.sum(way(x, w).astype(jnp.float32) * g)
-  return jax.jit(lambda x, w, g: way(x, w)), jax.jit(jax.grad(loss, argnums=(0, 1)))
+  return (jax.jit(lambda x, w, g: way(x, w)),
+          jax.jit(jax.value_and_grad(loss, argnums=(0, 1))))
 
 
 def main():
@@ -65,8 +69,8 @@ def main():
       fwd, both = fwd_bwd(way)
       for part, fn, fn_args, flops in (("forward", fwd, (x, w, g), 2),
                                        ("forward+backward", both, (x, w, g), 6)):
-        row = dict(way=name, part=part, shape=shape, rows=args.rows, k=k, n=n, commit=commit,
-                   device=device, date=e2e_bench.today())
+        row = dict(way=name, part=part, shape=shape, rows=args.rows, k=k, n=n, gemms=flops // 2,
+                   commit=commit, device=device, date=e2e_bench.today())
         try:
           hlo = fn.lower(*fn_args).compile().as_text()
           if args.hlo:

@@ -9,11 +9,12 @@ are all it keeps: one byte a value where bf16 keeps two. The gradients are those
 quantized product (the straight-through rule of FP8 training recipes).
 
 Scales are powers of two, so a value's dequantization q * s is exact in any float dtype. Each
-product is a dot of the FP8 arrays themselves with the two scales applied to its float32 result.
-Written the other way round, dequantize -> dot (the pattern cuBLASLt's FP8 rewrite looks for), it
-lost the FP8 GEMM to XLA's Triton GEMM rewriter, which runs first and took the dequantized bf16
-operands (a bf16 GEMM: XLA's H200 program compiled on a CPU, 2026-12-06). dot_reference is the
-same product with the FP8 operands converted to float32 first.
+product is a dot of the FP8 arrays themselves, written in x's dtype, then scaled. Two other ways
+lost time (BENCHMARKS.md, "FP8 projections"): dequantize -> dot (the pattern cuBLASLt's FP8
+rewrite looks for) lost the FP8 GEMM to XLA's Triton GEMM rewriter, which runs first and took
+the dequantized bf16 operands; a float32 result scaled, then rounded, made cuBLASLt write the
+float32 product and XLA convert it in a pass of its own (an H100, 2026-12-06). dot_reference is
+the same product with the FP8 operands converted to float32 first.
 """
 import math
 
@@ -38,10 +39,11 @@ def quantize(x: jax.Array, fp8_dtype) -> tuple[jax.Array, jax.Array]:
 
 def _product(a, a_scale, b, b_scale, dims, dtype):
   """(a * a_scale) . (b * b_scale) contracted over dims: the FP8 operands go into the dot as they
-  are (XLA's GPU compiler makes it an FP8 GEMM, Triton's or cuBLASLt's, whichever its autotuner
-  times faster), accumulated in float32, the scales applied to the result."""
-  y = jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
-  return (y * (a_scale * b_scale)).astype(dtype)
+  are (XLA's GPU compiler makes it an FP8 GEMM, cuBLASLt's or Triton's, whichever its autotuner
+  times faster), its result written in dtype, then scaled: exact, the scales being powers of
+  two, and an elementwise multiply XLA fuses into the result's consumers."""
+  y = jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=dtype)
+  return y * (a_scale * b_scale).astype(dtype)
 
 
 @jax.custom_vjp
