@@ -38,6 +38,8 @@ SWEEP = {
     "8k-accum1": "student --config configs/8k.py --docs 4 --accum 1 --steps 6",
     # The block's projections on FP8 tensor cores (student.fp8_matmuls, kdjax/models/fp8.py;
     # the projections alone: experiments/bench/fp8_bench.py); remat auto plans the step again.
+    # Not yet timed: on an H100 (2026-12-06, bc0e311, 2 rows x 4 with host moments) its compile
+    # and planning ran past 170 s twice where bf16's whole run took less: give it ~10 minutes.
     "8k-fp8": "student --config configs/8k.py --docs 4 --memory --set student.fp8_matmuls=True",
     "32k-fp8": "student --config configs/32k.py --docs 8 --steps 2 --set student.fp8_matmuls=True",
     "128k-fp8": "student --config configs/128k.py --docs 16 --accum 1 --steps 4 --memory "
