@@ -88,3 +88,16 @@ def test_matmul_is_the_einsum(rng, use_fp8, spec, x_shape, w_shape):
 def test_matmul_refuses_other_contractions():
   with pytest.raises(ValueError, match="last axes"):
     fp8.matmul("dt,df->tf", jnp.ones((3, 2)), jnp.ones((3, 4)), True)
+
+
+def test_fp8_models_keep_the_mlp_out_of_swiglus_kernel(monkeypatch):
+  """The kernel computes in bf16: "auto" leaves an FP8 model's MLP to the projections, "pallas"
+  is refused with what to do."""
+  from kdjax.kernels import mosaic
+  from kdjax.models import llama
+  monkeypatch.setattr(mosaic, "on_gpu", lambda: True)
+  shapes = dict(vocab_size=32, d_model=128, d_ff=256, dtype="bfloat16", fp8_matmuls=True)
+  assert not llama.ModelConfig(mlp_impl="auto", **shapes).mlp_kernel()
+  assert llama.ModelConfig(mlp_impl="auto", **{**shapes, "fp8_matmuls": False}).mlp_kernel()
+  with pytest.raises(ValueError, match="fp8_matmuls on: use 'xla'"):
+    llama.ModelConfig(mlp_impl="pallas", **shapes).validate("student.")
