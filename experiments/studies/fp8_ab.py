@@ -9,20 +9,28 @@ what FP8's rounding costs. The seed changes model init and data order; the sprea
 is the yardstick. The demo's student is small (d_model 96): each dot sums fewer products, so its
 rounding averages out less than a 3B student's would.
 
-    python experiments/studies/fp8_ab.py [--seeds 0,1,2] [--out runs/fp8_ab]
+    python experiments/studies/fp8_ab.py [--seeds 0,1,2] [--out runs/fp8_ab] \
+        [--results experiments/results/fp8_ab.jsonl]
 
 Makes the demo's data, teacher and cache first (OUT/demo, skipped when present; a few minutes on
-a CPU). Writes OUT/results.json and prints the held-out KL and CE per arm and seed.
+a CPU). Writes OUT/results.json, prints the held-out KL and CE per arm and seed, and appends one
+line per arm and seed (with commit and date) to --results.
 """
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # demo_ab
+                os.path.join(ROOT, "experiments", "bench")]  # e2e_bench
 import demo_ab  # noqa: E402
+import e2e_bench  # noqa: E402
+
+RESULTS = os.path.join(ROOT, "experiments", "results", "fp8_ab.jsonl")
 
 
 def main():
-  args = demo_ab.parse_args(__doc__, "runs/fp8_ab")
+  args = demo_ab.parse_args(__doc__, "runs/fp8_ab", lambda p: p.add_argument(
+      "--results", default=RESULTS, help="jsonl file to append the lines to ('' for none)"))
   prep = demo_ab.prepare(args.out)
   results = {}
   for seed in args.seeds:
@@ -32,6 +40,9 @@ def main():
       name = f"{arm}_seed{seed}"
       results[name] = demo_ab.distil(prep, args.out, name, seed, edit)
       demo_ab.report(results, args.out)
+      e2e_bench.record({"study": "fp8_ab", "arm": arm, "seed": seed, "device": "cpu",
+                        **{k: results[name][k] for k in ("kl", "top1_agreement", "ce")},
+                        "commit": e2e_bench.commit(), "date": e2e_bench.today()}, args.results)
 
 
 if __name__ == "__main__":
