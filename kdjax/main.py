@@ -14,6 +14,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from kdjax import config, errors, parallel, peers, pipeline, workdir
+from kdjax.models import fp8
 
 config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 flags.DEFINE_bool("debug", False, "Show the traceback of user errors too (or set KDJAX_DEBUG=1).")
@@ -39,6 +40,7 @@ def main(argv):
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every checkpoint at INFO
   c = flags.FLAGS.config
   parallel.claim_memory(c.mesh.memory_fraction, c.mesh.allocator)
+  fp8.prepare_compiler(c.student.fp8_matmuls)
   if workdir.compile_cache_dir(c):  # before anything compiles
     jax.config.update("jax_compilation_cache_dir", os.path.abspath(workdir.compile_cache_dir(c)))
   # a run of several processes (launch/multiprocess.sh): each watches the others (kdjax.peers)

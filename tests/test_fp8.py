@@ -1,5 +1,7 @@
 """kdjax.models.fp8: the quantization against numpy, the product and both gradients against the
 same quantized operands multiplied in float64."""
+import os
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -103,3 +105,19 @@ def test_fp8_models_keep_the_mlp_out_of_swiglus_kernel(monkeypatch):
   assert llama.ModelConfig(mlp_impl="auto", **{**shapes, "fp8_matmuls": False}).mlp_kernel()
   with pytest.raises(ValueError, match="fp8_matmuls on: use 'xla'"):
     llama.ModelConfig(mlp_impl="pallas", **shapes).validate("student.")
+
+
+@pytest.mark.parametrize("enabled, before, after", [
+    (True, None, "--xla_gpu_enable_triton_gemm=false"),
+    (True, "--xla_dump_to=d", "--xla_dump_to=d --xla_gpu_enable_triton_gemm=false"),
+    (True, "--xla_gpu_enable_triton_gemm=true", "--xla_gpu_enable_triton_gemm=true"),  # the user's
+    (False, None, None),
+    (False, "--xla_dump_to=d", "--xla_dump_to=d"),
+])
+def test_prepare_compiler_turns_triton_gemms_off_only_for_fp8(monkeypatch, enabled, before, after):
+  if before is None:
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+  else:
+    monkeypatch.setenv("XLA_FLAGS", before)
+  fp8.prepare_compiler(enabled)
+  assert os.environ.get("XLA_FLAGS") == after

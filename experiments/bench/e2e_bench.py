@@ -57,7 +57,7 @@ import e2e_sweep  # noqa: E402
 import gpu_watch  # noqa: E402
 from synthetic_rows import docs_arg, packed_segments, synthetic_cache  # noqa: E402
 from kdjax import build, cache, config, parallel, reporting, teacher, train  # noqa: E402
-from kdjax.models import documents, llama  # noqa: E402
+from kdjax.models import documents, fp8, llama  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "experiments", "results", "e2e.jsonl")
 ALONE_BATCHES = 8  # the teacher step alone: batches timed
@@ -405,8 +405,9 @@ def main():
     os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(args.mem_fraction)
   if args.preallocate:
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
-  mesh_cfg = load_config(args.config, args.set).mesh
-  parallel.claim_memory(mesh_cfg.memory_fraction, mesh_cfg.allocator)  # as kdjax.main
+  c = load_config(args.config, args.set)
+  parallel.claim_memory(c.mesh.memory_fraction, c.mesh.allocator)  # as kdjax.main
+  fp8.prepare_compiler(c.student.fp8_matmuls)  # as kdjax.main
   WATCH.start()  # the clocks of every GPU run; the peak where JAX keeps none (platform)
   result = run_student(args) if args.mode == "student" else run_teacher(args)
   result.update(name=args.name, config=getattr(args, "config", ""), overrides=args.set,

@@ -15,14 +15,32 @@ rewrite looks for) lost the FP8 GEMM to XLA's Triton GEMM rewriter, which runs f
 the dequantized bf16 operands; a float32 result scaled, then rounded, made cuBLASLt write the
 float32 product and XLA convert it in a pass of its own (an H100, 2026-12-06). dot_reference is
 the same product with the FP8 operands converted to float32 first.
+
+XLA's Triton GEMMs are off in a process that trains with FP8 (prepare_compiler): its autotuner
+otherwise times many Triton tilings of every FP8 GEMM, and the 8K step's set-up took 328 s
+against 117 s without them, on an H100, its step no slower (BENCHMARKS.md, twentieth session).
 """
 import math
+import os
 
 import jax
 import jax.numpy as jnp
 
 E4M3 = jnp.float8_e4m3fn  # activations and weights: 3 mantissa bits, max 448
 E5M2 = jnp.float8_e5m2    # gradients: 2 mantissa bits, max 57344
+
+
+TRITON_GEMM = "xla_gpu_enable_triton_gemm"
+
+
+def prepare_compiler(enabled: bool) -> None:
+  """With FP8 on, XLA's Triton GEMMs off for the process (XLA_FLAGS), unless XLA_FLAGS already
+  sets them: every GEMM goes to cuBLAS(Lt), sparing the autotuner its Triton tilings of each FP8
+  GEMM (see the module's doc; bf16 steps were no slower without them either, BENCHMARKS.md, tenth
+  session). XLA reads XLA_FLAGS when JAX first compiles: call before (kdjax.main does)."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if enabled and TRITON_GEMM not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --{TRITON_GEMM}=false".strip()
 
 
 def quantize(x: jax.Array, fp8_dtype) -> tuple[jax.Array, jax.Array]:
@@ -39,9 +57,10 @@ def quantize(x: jax.Array, fp8_dtype) -> tuple[jax.Array, jax.Array]:
 
 def _product(a, a_scale, b, b_scale, dims, dtype):
   """(a * a_scale) . (b * b_scale) contracted over dims: the FP8 operands go into the dot as they
-  are (XLA's GPU compiler makes it an FP8 GEMM, cuBLASLt's or Triton's, whichever its autotuner
-  times faster), its result written in dtype, then scaled: exact, the scales being powers of
-  two, and an elementwise multiply XLA fuses into the result's consumers."""
+  are (XLA's GPU compiler makes it cuBLASLt's FP8 GEMM, or with Triton GEMMs on, a Triton one
+  if its autotuner times that faster), its result written in dtype, then scaled: exact, the
+  scales being powers of two, and an elementwise multiply XLA folds into the GEMM's alpha or
+  fuses into the result's consumers."""
   y = jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=dtype)
   return y * (a_scale * b_scale).astype(dtype)
 
