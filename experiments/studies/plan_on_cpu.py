@@ -55,12 +55,12 @@ from e2e_bench import commit, load_config, today  # noqa: E402
 from hlo_kernels import exact_fusion_bytes, kernels  # noqa: E402
 from synthetic_rows import docs_arg, synthetic_cache  # noqa: E402
 from kdjax import build, remat_auto, train  # noqa: E402
-from kdjax.models import documents, llama, remat  # noqa: E402
+from kdjax.models import documents, fp8, llama, remat  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "experiments", "results", "plans.jsonl")
 GIB = 2**30
 # The H200 as XLA describes it (XLA's target-config specs, h200.txtpb, the fields JAX 0.11.2's XLA
-# reads) and the allocation limit JAX reports on it at a memory fraction f: f x H200_USABLE
+# reads; the CUDA runtime the GPU image's, 13.0: without it XLA makes no cuBLASLt FP8 GEMM) and the allocation limit JAX reports on it at a memory fraction f: f x H200_USABLE
 # (127.9 GiB at 0.92, BENCHMARKS.md).
 H200_TARGET = """
 gpu_device_info {
@@ -74,6 +74,7 @@ gpu_device_info {
 }
 platform_name: "CUDA"
 dnn_version_info { major: 9 minor: 10 }
+runtime_version { major: 13 minor: 0 }
 device_description_str: "NVIDIA H200 141GB HBM3e"
 """
 H200_USABLE = 127.9 / 0.92 * GIB
@@ -172,6 +173,7 @@ def main():
   args = p.parse_args()
 
   c = load_config(args.config, args.set)
+  fp8.prepare_compiler(c.student.fp8_matmuls)  # as kdjax.main: before anything compiles
   as_gpu_program()
   sharding = h200_sharding()
   seq_len, rows = c.data.seq_len, c.opt.batch_size
@@ -204,7 +206,8 @@ def main():
 
   base = {"date": today(), "commit": commit(),
           "command": " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
-          "device": "H200 (deviceless compile on CPU)", "seq_len": seq_len, "batch_size": rows,
+          "device": "H200 (deviceless compile on CPU)",
+          "xla_flags": os.environ.get("XLA_FLAGS", ""), "seq_len": seq_len, "batch_size": rows,
           "docs_per_row": args.docs, "max_documents": max_documents,
           "resident_gib": fixed / GIB, "budget_gib": budget / GIB}
   lines = []
