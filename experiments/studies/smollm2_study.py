@@ -5,6 +5,7 @@
     python experiments/studies/smollm2_study.py --root runs/smollm2 [--processes 3]  # resumable
     python experiments/studies/smollm2_study.py --root runs/smollm2 --perplexity  # transformers'
     python experiments/studies/smollm2_study.py --table   # the table and plot from the results
+    python experiments/studies/smollm2_study.py --root runs/smollm2 --fp8  # FP8 A/B (below)
 
 Arms, each in its own workdir under ROOT/study/ on one shared data store and one cache (the
 teacher's top-100 and its final hidden states through a fixed projection to 144 columns; arms
@@ -18,6 +19,10 @@ Each finished arm is measured on the held-out split (whole works and packages ne
 against the teacher run online (kdjax.evaluate.evaluate_online): CE on the true tokens, full-
 vocabulary KL(teacher || student), top-1 agreement, ECE; and its exported Hugging Face checkpoint
 by transformers (`--perplexity`: the perplexity of its first rows' documents, run one at a time).
+--fp8 runs instead the A/B of the block's projections in FP8 (student.fp8_matmuls,
+kdjax/models/fp8.py): pruned, tail k = 100, --tokens / 4, bf16 against FP8, seeds 0 and 1, both
+arms at the same commit in the same setting (XLA's Triton GEMMs off for the whole process, as
+FP8 runs have them: fp8.prepare_compiler), into experiments/results/smollm2_fp8.jsonl.
 One JSON line per arm in --results; an arm already there is skipped, and training resumes from
 its checkpoints, so the command can be stopped (SIGTERM saves) and run again.
 """
@@ -39,17 +44,22 @@ sys.path[:0] = [os.path.join(REPO, "experiments", "bench"),  # e2e_bench
 import e2e_bench  # noqa: E402
 from configs import smollm2  # noqa: E402
 from kdjax import build, cache, evaluate, pipeline  # noqa: E402
+from kdjax.models import fp8  # noqa: E402
 from kdjax.workdir import Paths  # noqa: E402
 
 RESULTS = os.path.join(REPO, "experiments", "results", "smollm2.jsonl")
+FP8_RESULTS = os.path.join(REPO, "experiments", "results", "smollm2_fp8.jsonl")
 HF_REFERENCE = os.path.join(REPO, "kdjax", "hf_reference.py")
 HIDDEN_DIM = 144  # the cached hidden states: the teacher's 576 columns projected to a quarter
 METRICS = ("ce", "full_kl", "top1", "ece")
 PERPLEXITY_ROWS = 32  # held-out rows whose documents transformers scores per exported student
 
 
-def arms(tokens: int) -> list[dict]:
-  """Every arm, in the order they run: the main comparison first."""
+def arms(tokens: int, fp8_ab: bool = False) -> list[dict]:
+  """Every arm, in the order they run: the main comparison first (fp8_ab: the FP8 A/B's)."""
+  if fp8_ab:
+    return [dict(init="pruned", objective="tail", k=100, tokens=tokens // 4, seed=seed,
+                 hidden=0.0, fp8=on) for seed in (0, 1) for on in (False, True)]
   main = [dict(init=init, objective=o, k=100 if o == "tail" else 0, tokens=tokens)
           for init in ("pruned", "scratch") for o in ("hard", "tail", "online")]
   small = tokens // 4
@@ -64,7 +74,9 @@ def arms(tokens: int) -> list[dict]:
 def arm_name(a: dict) -> str:
   k = f"_k{a['k']}" if a["k"] else ""
   hidden = "_hidden" if a["hidden"] else ""
-  return f"{a['init']}_{a['objective']}{k}{hidden}_{a['tokens'] / 1e6:g}M_seed{a['seed']}"
+  in_fp8 = "_fp8" if a.get("fp8") else ""
+  return (f"{a['init']}_{a['objective']}{k}{hidden}{in_fp8}_{a['tokens'] / 1e6:g}M_"
+          f"seed{a['seed']}")
 
 
 def prep_config(root: str, variant: str):
@@ -87,6 +99,7 @@ def arm_config(prep, root: str, a: dict):
   c.cache.path = os.path.join(prep.workdir, "cache")
   c.seed = a["seed"]
   c.init.from_teacher = a["init"] == "pruned"
+  c.student.fp8_matmuls = bool(a.get("fp8"))
   rows = c.opt.batch_size * c.opt.accum_steps * c.data.seq_len
   c.opt.steps = -(-a["tokens"] // rows)
   c.opt.warmup_steps = min(c.opt.warmup_steps, c.opt.steps // 10)
@@ -190,6 +203,7 @@ def perplexity(prep, root: str, teacher, args):
   jobs = []
   for line in todo:
     a = {k: line[k] for k in ("init", "objective", "k", "tokens", "seed", "hidden")}
+    a["fp8"] = line.get("fp8", False)
     c = arm_config(prep, root, a)
     models = build.Models.from_config(c)
     model = models.finished(line["run"], c.student, c.opt.steps)
@@ -223,7 +237,8 @@ def table(lines: list[dict]) -> str:
   lines = sorted(lines, key=lambda r: (-r["tokens"], r["init"], r["seed"], order[r["objective"]],
                                        -r["k"], r["hidden"]))
   for r in lines:
-    objective = r["objective"] + (" + hidden" if r["hidden"] else "")
+    objective = (r["objective"] + (" + hidden" if r["hidden"] else "")
+                 + (", FP8" if r.get("fp8") else ""))
     ppl = (f"{r['hf_ppl']:.2f} ({r['hf_ce']:.4f}; {r['kdjax_ce_rows']:.4f})" if "hf_ppl" in r
            else "-")
     out.append(f"| {r['init']} | {objective} | {r['k'] or '-'} | {r['train_tokens'] / 1e6:.1f}M | "
@@ -288,7 +303,12 @@ def main():
   parser.add_argument("--hf-python", default=sys.executable,
                       help="a Python with torch and transformers (for --perplexity)")
   parser.add_argument("--table", action="store_true", help="print the table, redraw the plot")
+  parser.add_argument("--fp8", action="store_true",
+                      help="the FP8 A/B's arms instead (results: smollm2_fp8.jsonl)")
   args = parser.parse_args()
+  if args.fp8:
+    args.results = FP8_RESULTS if args.results == RESULTS else args.results
+    fp8.prepare_compiler(True)  # before anything compiles: both arms alike
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(message)s",
                       datefmt="%H:%M:%S")
   args.claim = args.claim or f"{os.getpid()}-{time.time():.0f}"
@@ -322,7 +342,7 @@ def main():
   with open(teacher_json) as f:
     args.teacher_ce = json.load(f)["ce"]
   os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
-  for a in arms(int(args.tokens)):
+  for a in arms(int(args.tokens), args.fp8):
     if arm_name(a) in read_results(args.results) or not claim(prep, a, args.claim):
       continue
     start = time.perf_counter()
