@@ -38,9 +38,12 @@ SWEEP = {
     "8k-accum1": "student --config configs/8k.py --docs 4 --accum 1 --steps 6",
     # The block's projections on FP8 tensor cores (student.fp8_matmuls, kdjax/models/fp8.py;
     # the projections alone: experiments/bench/fp8_bench.py); remat auto plans the step again.
-    # Not yet timed: on an H100 (2026-12-06, bc0e311, 2 rows x 4 with host moments) its compile
-    # and planning ran past 170 s twice where bf16's whole run took less: give it ~10 minutes.
+    # On an H100 (2026-12-06, 516e90a) "8k-fp8" took 0.805x "8k"'s step; its set-up ~2 minutes
+    # with XLA's Triton GEMMs off (fp8.prepare_compiler), 5.5 with them.
     "8k-fp8": "student --config configs/8k.py --docs 4 --memory --set student.fp8_matmuls=True",
+    "8k-48g-fp8": "student --config configs/8k.py --docs 4 --memory --set "
+                  f"student.remat=dots_attention --set opt.state_memory=host {ONE_ROW} "
+                  "--set student.fp8_matmuls=True",
     "32k-fp8": "student --config configs/32k.py --docs 8 --steps 2 --set student.fp8_matmuls=True",
     "128k-fp8": "student --config configs/128k.py --docs 16 --accum 1 --steps 4 --memory "
                 "--set student.fp8_matmuls=True",
