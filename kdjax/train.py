@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from kdjax import cache, distillation, parallel, remat_auto, reporting, resume
 from kdjax.cache import failpoints
 from kdjax.data.packing import next_token_labels
-from kdjax.models import documents, llama
+from kdjax.models import documents, fp8, llama
 
 TRAINED = ("params", "hidden_proj")  # the state's entries the optimizer updates (when present)
 
@@ -280,6 +280,7 @@ class Trainer:
     # value after the store's densest row; that bound sets the cuDNN calls per layer
     # (kdjax.models.attention.documents_per_call).
     self.max_documents = documents.store_documents_bound(store)
+    fp8.warn_without_fp8_cores(model_cfg.fp8_matmuls)
     self.graphdef, self.model_cfg = resolve_remat(graphdef, model_cfg, self.state, self.grads_sum,
                                                   store, opt, self.loss, hard_labels,
                                                   self.max_documents, self.targets, mesh)

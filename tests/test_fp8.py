@@ -121,3 +121,28 @@ def test_prepare_compiler_turns_triton_gemms_off_only_for_fp8(monkeypatch, enabl
     monkeypatch.setenv("XLA_FLAGS", before)
   fp8.prepare_compiler(enabled)
   assert os.environ.get("XLA_FLAGS") == after
+
+
+class FakeDevice:
+  def __init__(self, platform, kind="", capability=""):
+    self.platform, self.device_kind, self.compute_capability = platform, kind, capability
+
+
+@pytest.mark.parametrize("enabled, devices, warns", [
+    (True, [FakeDevice("gpu", "NVIDIA A100", "8.0")], True),
+    (True, [FakeDevice("gpu", "NVIDIA H200", "9.0")], False),
+    (True, [FakeDevice("gpu", "NVIDIA L4", "8.9")], False),
+    (True, [FakeDevice("cpu")], False),
+    (False, [FakeDevice("gpu", "NVIDIA A100", "8.0")], False),
+])
+def test_fp8_warns_on_gpus_without_fp8_tensor_cores(caplog, enabled, devices, warns):
+  fp8.warn_without_fp8_cores(enabled, devices)
+  assert ("no FP8 tensor cores" in caplog.text) == warns
+  assert ("NVIDIA A100 (8.0)" in caplog.text) == warns
+
+
+def test_fp8_check_passes_devices_that_do_not_say(caplog):
+  device = FakeDevice("gpu", "a GPU")
+  del device.compute_capability
+  fp8.warn_without_fp8_cores(True, [device])
+  assert not caplog.text

@@ -20,6 +20,7 @@ XLA's Triton GEMMs are off in a process that trains with FP8 (prepare_compiler):
 otherwise times many Triton tilings of every FP8 GEMM, and the 8K step's set-up took 328 s
 against 117 s without them, on an H100, its step no slower (BENCHMARKS.md, twentieth session).
 """
+import logging
 import math
 import os
 
@@ -41,6 +42,24 @@ def prepare_compiler(enabled: bool) -> None:
   flags = os.environ.get("XLA_FLAGS", "")
   if enabled and TRITON_GEMM not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --{TRITON_GEMM}=false".strip()
+
+
+def _capability(device) -> tuple[int, int] | None:
+  """A GPU's compute capability (major, minor); None for other devices or where it is not said."""
+  found = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
+  return tuple(map(int, found.split("."))) if found else None
+
+
+def warn_without_fp8_cores(enabled: bool, devices=None) -> None:
+  """Logs a warning when FP8 is on and a GPU among devices (default jax.devices()) predates FP8
+  tensor cores (compute capability 8.9: Ada, Hopper): there the products cannot run at FP8's
+  rate (kdjax has not been run on such a GPU with FP8)."""
+  old = sorted({f"{d.device_kind} ({d.compute_capability})" for d in devices or jax.devices()
+                if (_capability(d) or (9, 0)) < (8, 9)}) if enabled else []
+  if old:
+    logging.warning("fp8_matmuls is on but %s has no FP8 tensor cores (compute capability "
+                    "8.9 or later): expect no speed from it; set student.fp8_matmuls=False",
+                    ", ".join(old))
 
 
 def quantize(x: jax.Array, fp8_dtype) -> tuple[jax.Array, jax.Array]:
