@@ -86,7 +86,8 @@ def test_matmul_is_the_einsum(rng, use_fp8, spec, x_shape, w_shape):
                                                       fp8.quantize(w, fp8.E4M3)))
   want = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
   assert y.shape == want.shape and y.dtype == jnp.bfloat16
-  np.testing.assert_allclose(np.asarray(y, np.float32), want, atol=0.01 * float(jnp.abs(want).max()))
+  np.testing.assert_allclose(np.asarray(y, np.float32), want,
+                             atol=0.01 * float(jnp.abs(want).max()))
 
 
 def test_matmul_refuses_other_contractions():

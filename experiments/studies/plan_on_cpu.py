@@ -60,8 +60,9 @@ from kdjax.models import documents, fp8, llama, remat  # noqa: E402
 RESULTS = os.path.join(ROOT, "experiments", "results", "plans.jsonl")
 GIB = 2**30
 # The H200 as XLA describes it (XLA's target-config specs, h200.txtpb, the fields JAX 0.11.2's XLA
-# reads; the CUDA runtime the GPU image's, 13.0: without it XLA makes no cuBLASLt FP8 GEMM) and the allocation limit JAX reports on it at a memory fraction f: f x H200_USABLE
-# (127.9 GiB at 0.92, BENCHMARKS.md).
+# reads; the CUDA runtime the GPU image's, 13.0: without it XLA makes no cuBLASLt FP8 GEMM) and
+# the allocation limit JAX reports on it at a memory fraction f: f x H200_USABLE (127.9 GiB at
+# 0.92, BENCHMARKS.md).
 H200_TARGET = """
 gpu_device_info {
   threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
