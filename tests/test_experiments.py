@@ -216,6 +216,24 @@ def test_every_sweep_entry_parses_and_its_config_validates(monkeypatch):
     e2e_bench.load_config(args.config, args.set)
 
 
+def test_smollm2_study_fp8_arms(monkeypatch, tmp_path):
+  """smollm2_study.py --fp8: bf16 and FP8 arms of each seed, alike but for student.fp8_matmuls,
+  each in a workdir of its own."""
+  monkeypatch.syspath_prepend(os.path.join(ROOT, "experiments", "studies"))
+  import smollm2_study
+  prep = smollm2_study.prep_config(str(tmp_path), "smoke")
+  arms = smollm2_study.arms(400_000, fp8_ab=True)
+  configs = [smollm2_study.arm_config(prep, str(tmp_path), a) for a in arms]
+  assert [(a["seed"], a["fp8"]) for a in arms] == [(0, False), (0, True), (1, False), (1, True)]
+  assert [c.student.fp8_matmuls for c in configs] == [a["fp8"] for a in arms]
+  assert len({c.workdir for c in configs}) == 4
+  for bf16, fp8 in zip(configs[::2], configs[1::2]):
+    assert fp8.workdir == bf16.workdir.replace("_k100_", "_k100_fp8_")
+    fp8.student.fp8_matmuls, fp8.workdir = False, bf16.workdir
+    assert fp8.to_dict() == bf16.to_dict()
+  assert not any(a.get("fp8") for a in smollm2_study.arms(400_000))
+
+
 def test_profile_summary_per_step_scales_the_micro_batches(tmp_path):
   """--per-step 2 16: a traced step of 2 micro-batches scaled to 16 (x8) for the micro-batch
   program's kernels, the optimizer's once; arithmetic sums matmul, attention and loss head. The
