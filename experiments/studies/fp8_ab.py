@@ -10,12 +10,19 @@ is the yardstick. The demo's student is small (d_model 96): each dot sums fewer 
 rounding averages out less than a 3B student's would.
 
     python experiments/studies/fp8_ab.py [--seeds 0,1,2] [--out runs/fp8_ab] \
-        [--results experiments/results/fp8_ab.jsonl]
+        [--results experiments/results/fp8_ab.jsonl] [--arms bf16,fp8] [--gradients e5m2]
+
+--gradients e4m3: the FP8 arm's incoming gradients in e4m3 (more precision, less range) instead
+of kdjax's e5m2, to see which of the formats' rounding the student pays for; set while the arm
+trains (kdjax.models.fp8's E5M2, read when the step is traced), so run one setting per process:
+the jitted step is kept per model, and an FP8 arm of another setting would reuse it.
 
 Makes the demo's data, teacher and cache first (OUT/demo, skipped when present; a few minutes on
 a CPU). Writes OUT/results.json, prints the held-out KL and CE per arm and seed, and appends one
 line per arm and seed (with commit and date) to --results.
 """
+import contextlib
+import functools
 import os
 import sys
 
@@ -24,25 +31,47 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # demo_ab
                 os.path.join(ROOT, "experiments", "bench")]  # e2e_bench
 import demo_ab  # noqa: E402
 import e2e_bench  # noqa: E402
+from kdjax.models import fp8  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "experiments", "results", "fp8_ab.jsonl")
 
 
 def main():
-  args = demo_ab.parse_args(__doc__, "runs/fp8_ab", lambda p: p.add_argument(
-      "--results", default=RESULTS, help="jsonl file to append the lines to ('' for none)"))
+  args = demo_ab.parse_args(__doc__, "runs/fp8_ab", add_arguments)
   prep = demo_ab.prepare(args.out)
   results = {}
   for seed in args.seeds:
-    for arm in ("bf16", "fp8"):
+    for arm in args.arms.split(","):
       def edit(c, arm=arm):
         c.student.fp8_matmuls = arm == "fp8"
-      name = f"{arm}_seed{seed}"
-      results[name] = demo_ab.distil(prep, args.out, name, seed, edit)
+      name = f"{arm}_seed{seed}" + (f"_{args.gradients}" if arm == "fp8" and
+                                    args.gradients != "e5m2" else "")
+      results[name] = demo_ab.distil(prep, args.out, name, seed, edit,
+                                     functools.partial(gradients_in, args.gradients))
       demo_ab.report(results, args.out)
       e2e_bench.record({"study": "fp8_ab", "arm": arm, "seed": seed, "device": "cpu",
+                        **({"gradients": args.gradients} if arm == "fp8" else {}),
                         **{k: results[name][k] for k in ("kl", "top1_agreement", "ce")},
                         "commit": e2e_bench.commit(), "date": e2e_bench.today()}, args.results)
+
+
+def add_arguments(parser):
+  parser.add_argument("--results", default=RESULTS,
+                      help="jsonl file to append the lines to ('' for none)")
+  parser.add_argument("--arms", default="bf16,fp8", help="comma-separated: bf16, fp8")
+  parser.add_argument("--gradients", default="e5m2", choices=("e5m2", "e4m3"),
+                      help="the FP8 arm's format of the incoming gradients")
+
+
+@contextlib.contextmanager
+def gradients_in(name: str):
+  """The FP8 backward's incoming gradients in format `name` while the arm trains."""
+  kept = fp8.E5M2
+  fp8.E5M2 = {"e5m2": fp8.E5M2, "e4m3": fp8.E4M3}[name]
+  try:
+    yield
+  finally:
+    fp8.E5M2 = kept
 
 
 if __name__ == "__main__":
