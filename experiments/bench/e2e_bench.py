@@ -123,7 +123,8 @@ def run_student(args) -> dict:
                           model_cfg=model_cfg, store=store, opt=c.opt, loss_cfg=c.loss,
                           hard_labels=False, seed=0, mesh=mesh_of(c))
   model_cfg = trainer.model_cfg
-  print(f"remat {model_cfg.remat} (set up in {time.perf_counter() - t0:.1f} s)", flush=True)
+  setup_s = time.perf_counter() - t0  # state, placement, remat auto's planning and compiles
+  print(f"remat {model_cfg.remat} (set up in {setup_s:.1f} s)", flush=True)
   plan = {}
   if trainer.mesh is None and (args.memory or not args.steps):
     plan = print_memory_analysis(trainer)
@@ -176,7 +177,7 @@ def run_student(args) -> dict:
           "optimizer_state": f"{c.opt.state_dtype}/{c.opt.state_memory}",
           "accum_dtype": c.opt.accum_dtype,
           "batch_wait_frac": float(np.sum(waits[1:]) / np.sum(times[1:])),
-          "first_step_s": times[0], "remat": model_cfg.remat,
+          "setup_s": setup_s, "first_step_s": times[0], "remat": model_cfg.remat,
           "remat_config": c.student.remat,
           "clocks": WATCH.clocks(spans[1][0], spans[-1][1]) if len(spans) > 1 else {},
           **({"plan_gib": plan} if plan else {}), **({"profile": profile} if profile else {})}
