@@ -178,7 +178,7 @@ def run_student(args) -> dict:
           "accum_dtype": c.opt.accum_dtype,
           "batch_wait_frac": float(np.sum(waits[1:]) / np.sum(times[1:])),
           "setup_s": setup_s, "first_step_s": times[0], "remat": model_cfg.remat,
-          "remat_config": c.student.remat,
+          "remat_config": c.student.remat, "fp8_matmuls": model_cfg.fp8_matmuls,
           "clocks": WATCH.clocks(spans[1][0], spans[-1][1]) if len(spans) > 1 else {},
           **({"plan_gib": plan} if plan else {}), **({"profile": profile} if profile else {})}
 

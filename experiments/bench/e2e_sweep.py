@@ -36,17 +36,18 @@ SWEEP = {
     "8k-names-b2": "student --config configs/8k.py --docs 4 --memory --set student.remat=names "
                    "--set opt.batch_size=2 --set opt.accum_steps=16",
     "8k-accum1": "student --config configs/8k.py --docs 4 --accum 1 --steps 6",
-    # The block's projections on FP8 tensor cores (student.fp8_matmuls, kdjax/models/fp8.py;
-    # the projections alone: experiments/bench/fp8_bench.py); remat auto plans the step again.
-    # On an H100 (2026-12-06, 516e90a) "8k-fp8" took 0.805x "8k"'s step; its set-up ~2 minutes
-    # with XLA's Triton GEMMs off (fp8.prepare_compiler), 5.5 with them.
-    "8k-fp8": "student --config configs/8k.py --docs 4 --memory --set student.fp8_matmuls=True",
-    "8k-48g-fp8": "student --config configs/8k.py --docs 4 --memory --set "
-                  f"student.remat=dots_attention --set opt.state_memory=host {ONE_ROW} "
-                  "--set student.fp8_matmuls=True",
-    "32k-fp8": "student --config configs/32k.py --docs 8 --steps 2 --set student.fp8_matmuls=True",
-    "128k-fp8": "student --config configs/128k.py --docs 16 --accum 1 --steps 4 --memory "
-                "--set student.fp8_matmuls=True",
+    # The configs train the block's projections in FP8 (student.fp8_matmuls, kdjax/models/fp8.py;
+    # the projections alone: experiments/bench/fp8_bench.py); these are the same runs in bf16
+    # throughout, each FP8 entry's baseline (remat auto plans each anew). Lines before the FP8
+    # default (2026-12-06) named bf16 runs "8k", "32k", ... and FP8 ones "8k-fp8", ...
+    "8k-bf16": "student --config configs/8k.py --docs 4 --memory --set student.fp8_matmuls=False",
+    "8k-48g-bf16": "student --config configs/8k.py --docs 4 --memory --set "
+                   f"student.remat=dots_attention --set opt.state_memory=host {ONE_ROW} "
+                   "--set student.fp8_matmuls=False",
+    "32k-bf16": "student --config configs/32k.py --docs 8 --steps 2 "
+                "--set student.fp8_matmuls=False",
+    "128k-bf16": "student --config configs/128k.py --docs 16 --accum 1 --steps 4 --memory "
+                 "--set student.fp8_matmuls=False",
     # Rows as real text packs: this Python's stdlib files as documents (1 per 8K row at the
     # median, 33 at most; 4 and 48 at 32K: experiments/studies/documents_per_row.py), so the run's
     # documents bound is the fullest row's where the entries above hold 4 or 8 in every row.
