@@ -54,6 +54,7 @@ def get_config(variant: str = ""):
   # vocab_size 0: the tokenizer's (the teacher's); plain causal attention, no sinks or window
   c.student.update(vocab_size=0, attention_sinks=False, sliding_window=0, dtype="bfloat16",
                    param_dtype="float32")
+  c.student.fp8_matmuls = False  # its experts have no FP8 path; FP8 not measured on this student
   c.student.rope_scaling = {}  # trained at 32K from the start: plain RoPE
   c.cache.chunk_size = 2048  # [C, V] float32 logits of the teacher: 1.5 GiB at V = 201,088
   # 64K tokens per teacher call: each call dequantises every layer's experts once (at one 8K
