@@ -4,11 +4,12 @@
         --config.data.tokenizer=PATH --config.data.source=data.jsonl
 
 Needs: one H200 (141 GB), a Llama-3.1-8B-class Hugging Face checkpoint on disk and a jsonl/parquet
-dataset. Writes the teacher's top-100 cache once (dictionary layout), then trains with the fused loss.
+dataset. Writes the teacher's top-100 cache once (dictionary layout), then trains with the fused loss,
+the student's projections in FP8 (--config.student.fp8_matmuls=False: bf16 throughout).
 Logs one line per optimizer step (README, "Running": what each field means).
 On a GPU of 48 GB: --config.student.remat=dots_attention --config.opt.state_memory=host
---config.opt.batch_size=1 --config.opt.accum_steps=32 (AdamW's moments in host memory; 11.0 s per
-step in 45.0 GiB on an H200, BENCHMARKS.md).
+--config.opt.batch_size=1 --config.opt.accum_steps=32 (AdamW's moments in host memory; in bf16
+11.0 s per step in 45.0 GiB on an H200, BENCHMARKS.md; with FP8 not yet measured there).
 CPU variant for tests: --config=configs/8k.py:smoke
 """
 from kdjax import recipes
