@@ -9,7 +9,7 @@ the student's projections in FP8 (--config.student.fp8_matmuls=False: bf16 throu
 Logs one line per optimizer step (README, "Running": what each field means).
 On a GPU of 48 GB: --config.student.remat=dots_attention --config.opt.state_memory=host
 --config.opt.batch_size=1 --config.opt.accum_steps=32 (AdamW's moments in host memory; in bf16
-11.0 s per step in 45.0 GiB on an H200, BENCHMARKS.md; with FP8 not yet measured there).
+11.0 s per step in 45.0 GiB on an H200; with FP8 9.4 s in 45.0 GiB on an H100, BENCHMARKS.md).
 CPU variant for tests: --config=configs/8k.py:smoke
 """
 from kdjax import recipes
