@@ -253,14 +253,18 @@ def table(lines: list[dict]) -> str:
 
 def plot(lines: list[dict], png: str):
   """Training CE on the true tokens against training tokens: offline tail k = 100 vs online vs
-  hard labels, per init (the main arms), with each arm's held-out CE at its end."""
+  hard labels, per init (the main arms), with each arm's held-out CE at its end; for the FP8
+  A/B, bf16 against FP8 in every seed."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  main = [r for r in lines if r["tokens"] == max(x["tokens"] for x in lines) and r["seed"] == 0]
+  fp8_ab = any(r.get("fp8") for r in lines)
+  main = [r for r in lines
+          if r["tokens"] == max(x["tokens"] for x in lines) and (fp8_ab or r["seed"] == 0)]
   inits = sorted({r["init"] for r in main})
   fig, axes = plt.subplots(1, len(inits), figsize=(6 * len(inits), 4.2), squeeze=False)
   colors = {"tail": "C0", "online": "C1", "hard": "C2"}
+  labels = {"tail": "offline tail k=100", "online": "online (full KL)", "hard": "hard labels"}
   for ax, init in zip(axes[0], inits):
     for r in (r for r in main if r["init"] == init and r["objective"] in colors):
       metrics = os.path.join(r["workdir"], r["run"], "metrics.jsonl")
@@ -269,18 +273,20 @@ def plot(lines: list[dict], png: str):
       with open(metrics) as f:
         steps = [json.loads(x) for x in f]
       per_step = r["train_tokens"] / r["steps"]
-      label = {"tail": "offline tail k=100", "online": "online (full KL)",
-               "hard": "hard labels"}[r["objective"]]
+      color, label, ls = colors[r["objective"]], labels[r["objective"]], "-"
+      if fp8_ab:
+        color, ls = ("C3" if r.get("fp8") else "C0"), ("-", ":")[r["seed"] % 2]
+        label = f"{'FP8' if r.get('fp8') else 'bf16'}, seed {r['seed']}"
       ax.plot([s["step"] * per_step / 1e6 for s in steps], [s["ce"] for s in steps],
-              color=colors[r["objective"]], label=label)
-      ax.plot([r["train_tokens"] / 1e6], [r["ce"]], "o", color=colors[r["objective"]])
+              color=color, ls=ls, label=label)
+      ax.plot([r["train_tokens"] / 1e6], [r["ce"]], "o", color=color)
     ax.axhline(main[0]["teacher_ce"], color="0.5", ls="--", label="teacher (held-out)")
     ax.set(title=f"student {init}", xlabel="training tokens (M)",
            ylabel="CE on the true tokens (nats)")
     ax.set_ylim(top=min(ax.get_ylim()[1], 6.0))
     ax.legend()
-  fig.suptitle("SmolLM2-135M-Instruct -> 35M student: training CE (lines), held-out CE (dots)",
-               fontsize=10)
+  what = "bf16 vs FP8 projections" if fp8_ab else "training CE (lines), held-out CE (dots)"
+  fig.suptitle(f"SmolLM2-135M-Instruct -> 35M student: {what}", fontsize=10)
   fig.tight_layout()
   fig.savefig(png, dpi=100)
 
