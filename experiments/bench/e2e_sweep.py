@@ -36,10 +36,11 @@ SWEEP = {
     "8k-names-b2": "student --config configs/8k.py --docs 4 --memory --set student.remat=names "
                    "--set opt.batch_size=2 --set opt.accum_steps=16",
     "8k-accum1": "student --config configs/8k.py --docs 4 --accum 1 --steps 6",
-    # The configs train the block's projections in FP8 (student.fp8_matmuls, kdjax/models/fp8.py;
-    # the projections alone: experiments/bench/fp8_bench.py); these are the same runs in bf16
-    # throughout, each FP8 entry's baseline (remat auto plans each anew). Lines before the FP8
-    # default (2026-12-06) named bf16 runs "8k", "32k", ... and FP8 ones "8k-fp8", ...
+    # configs/8k.py, 32k.py and 128k.py train the block's projections in FP8 (student.fp8_matmuls,
+    # kdjax/models/fp8.py; the projections alone: experiments/bench/fp8_bench.py), so "8k",
+    # "8k-48g-dots_attention", "32k" and "128k" run FP8; these are their bf16 baselines (remat
+    # auto plans each anew). Lines before the FP8 default (2026-12-06) named bf16 runs "8k",
+    # "32k", ... and FP8 ones "8k-fp8", ...
     "8k-bf16": "student --config configs/8k.py --docs 4 --memory --set student.fp8_matmuls=False",
     "8k-48g-bf16": "student --config configs/8k.py --docs 4 --memory --set "
                    f"student.remat=dots_attention --set opt.state_memory=host {ONE_ROW} "
