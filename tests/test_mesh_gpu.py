@@ -4,9 +4,12 @@ The fused loss (impl "pallas", Mosaic GPU) with the vocabulary split over this m
 under shard_map against the whole vocabulary on one: on one GPU the split is 1 way, which still
 runs the kernels under shard_map and the cross-shard combination (CPU tests cover impls "xla"
 and "pallas_exact" split 4 ways: Mosaic GPU's interpreter cannot run on several CPU devices at
-once). With two or more GPUs, every mesh shape's grad_step against one GPU's. The SwiGLU kernel
-(kdjax/kernels/swiglu.py) on each GPU's rows, split by XLA's partitioner, against the reference.
+once). With two or more GPUs, every mesh shape's grad_step against one GPU's, without and
+with FP8 projections. The SwiGLU kernel (kdjax/kernels/swiglu.py) on each GPU's rows, split by
+XLA's partitioner, against the reference.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,9 +59,11 @@ def test_grad_step_over_mesh_shapes_matches_one_gpu():
   n = jax.device_count()
   if n < 2:
     pytest.skip("needs two or more GPUs")
-  from tests.fixtures.mesh_steps import grad_step_differences
-  for shape, diffs in grad_step_differences([(n, 1, 1), (1, n, 1), (1, 1, n)]).items():
-    assert diffs["grads"] < 1e-4 and diffs["metrics"] < 1e-5, (shape, diffs)
+  from tests.fixtures.mesh_steps import CFG, grad_step_differences
+  for fp8 in (False, True):  # FP8 projections: float32 results, so as close as without
+    cfg = dataclasses.replace(CFG, fp8_matmuls=fp8)
+    for shape, diffs in grad_step_differences([(n, 1, 1), (1, n, 1), (1, 1, n)], cfg).items():
+      assert diffs["grads"] < 1e-4 and diffs["metrics"] < 1e-5, (fp8, shape, diffs)
 
 
 def test_swiglu_kernel_partitioned_over_gpus():
