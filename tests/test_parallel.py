@@ -1,14 +1,13 @@
 """Student training over a device mesh (kdjax/parallel.py) on 8 CPU devices: every mesh shape
-(data x fsdp x tensor) gives one device's loss, metrics and gradients, with FP8 projections
-too; the loss with its
-vocabulary split over 4 devices gives the whole vocabulary's (impls "xla" and "pallas_exact":
-Mosaic GPU's interpreter cannot run on several CPU devices at once, so impl "pallas" under a
-split vocabulary is tested on the GPU, tests/test_mesh_gpu.py); a run on a 2 x 2 x 2 mesh,
-stopped and resumed from its sharded checkpoint, trains to one device's parameters; the teacher
-sharded over 8 devices writes one device's cache; a checkpoint loads straight into its shards;
-two processes (jax.distributed on localhost) write the same cache as one, run one teacher
-sharded over both to one device's cache, and train to one device's parameters; the demo's every
-stage under two processes; the mesh's checks.
+(data x fsdp x tensor) gives one device's loss, metrics and gradients, with FP8 projections too;
+the loss with its vocabulary split over 4 devices gives the whole vocabulary's (impls "xla" and
+"pallas_exact": Mosaic GPU's interpreter cannot run on several CPU devices at once, so impl
+"pallas" under a split vocabulary is tested on the GPU, tests/test_mesh_gpu.py); a run on a
+2 x 2 x 2 mesh, stopped and resumed from its sharded checkpoint, trains to one device's
+parameters; the teacher sharded over 8 devices writes one device's cache; a checkpoint loads
+straight into its shards; two processes (jax.distributed on localhost) write the same cache as
+one, run one teacher sharded over both to one device's cache, and train to one device's
+parameters; the demo's every stage under two processes; the mesh's checks.
 
 The 8 devices need XLA_FLAGS before jax starts, so the mesh runs go through a child process
 running this file (`python tests/test_parallel.py DIR` prints its results as JSON)."""
@@ -199,8 +198,9 @@ def test_mesh_shapes_and_processes_match_one_device(tmp_path):
   # FP8 projections too: each tensor's scale from its largest magnitude over every shard. In
   # float32 they match one device as closely as without FP8 (in bf16 a rounding that differs
   # upstream can move a gradient across an e5m2 step, 12.5%: the same noise, amplified)
-  for shape, diffs in [*out["grad_step"].items(), *out["grad_step_fp8"].items()]:
-    assert diffs["grads"] < 1e-4 and diffs["metrics"] < 1e-5, (shape, diffs)
+  for run in ("grad_step", "grad_step_fp8"):
+    for shape, diffs in out[run].items():
+      assert diffs["grads"] < 1e-4 and diffs["metrics"] < 1e-5, (run, shape, diffs)
   for case, diffs in out["vocab"].items():  # bf16: dL/dz rounded per shard's matmul, as on one
     assert diffs["loss"] < 1e-5 and diffs["positions"] < 1e-4 and diffs["top1"] == 0, (case, diffs)
     assert diffs["dh"] < 1e-2 and diffs["dw"] < 1e-2, (case, diffs)
