@@ -189,7 +189,7 @@ def two_process_difference(workdir: str) -> dict:
           "params": max(float(np.abs(a - b).max()) for a, b in zip(got, want))}
 
 
-@pytest.mark.slow  # about 90 s: a child process on 8 CPU devices, then two processes
+@pytest.mark.slow  # about 100 s alone: a child process on 8 CPU devices, then two processes
 def test_mesh_shapes_and_processes_match_one_device(tmp_path):
   proc = subprocess.run([sys.executable, __file__, "mesh", str(tmp_path)], capture_output=True,
                         text=True, cwd=ROOT, timeout=900)
