@@ -112,11 +112,21 @@ class Models:
     """The model run `name` trained, parameters only, if it reached `steps`; else None."""
     return checkpoints.restore_finished(self.paths.run(name), self.shapes(group), steps)
 
+  def corrected_teacher(self) -> bool:
+    """Whether stage pretrain fine-tuned teacher.hf_path on this run's data (teacher correction):
+    a finished run in <workdir>/teacher beside a checkpoint teacher."""
+    return bool(self.teacher.hf_path) and checkpoints.finished_step(
+        self.paths.run("teacher"), self.teacher_steps)
+
   def teacher_model(self, mesh=None) -> nnx.Module:
-    """The teacher: its Hugging Face checkpoint, or the one stage pretrain finished."""
-    if self.teacher.hf_path:
+    """The teacher: its Hugging Face checkpoint, or the one stage pretrain finished (from scratch,
+    or that checkpoint corrected on this run's data: corrected_teacher)."""
+    if self.teacher.hf_path and not self.corrected_teacher():
       return new_model(self.teacher, 0, self.seed, mesh)[0]
     model = self.finished("teacher", self.teacher, self.teacher_steps)
+    if model is not None and self.teacher.hf_path:
+      logging.info("teacher: %s corrected by stage pretrain (%s)", self.teacher.hf_path,
+                   self.paths.run("teacher"))
     if model is None:
       raise UserError(
           f"no finished teacher in {self.paths.run('teacher')}: set teacher.hf_path to a Hugging "

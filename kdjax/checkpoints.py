@@ -77,6 +77,16 @@ def has_checkpoint(workdir: str) -> bool:
   return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
 
 
+def finished_step(workdir: str, steps: int) -> bool:
+  """Whether a run in `workdir` has a checkpoint at step >= steps (restore_finished's test,
+  without reading parameters)."""
+  directory = os.path.join(workdir, "ckpt")
+  if not os.path.isdir(directory):
+    return False
+  steps_done = [int(name) for name in os.listdir(directory) if name.isdigit()]
+  return bool(steps_done) and max(steps_done) >= steps
+
+
 def restore_finished(workdir: str, model_cfg: llama.ModelConfig, steps: int):
   """The model a run in `workdir` trained, if it finished (a checkpoint at step >= steps), else
   None. Reads the parameters only: restoring a 3B student this way reads 13 GB, not 38."""

@@ -110,7 +110,10 @@ def base() -> ml_collections.ConfigDict:
   # The teacher only runs forward: its MLP in swiglu's kernel where that applies (8B teacher,
   # H200: +1.6% tokens/s at 8K, +1.8-3.0% at 32K; BENCHMARKS.md, "The SwiGLU kernel").
   c.teacher = model_group(mlp_impl="auto")
-  c.pretrain = opt_group()  # only when the teacher is trained here (stage "pretrain")
+  # Stage "pretrain" trains the teacher on the train split: from scratch, or with teacher.hf_path
+  # set, from that checkpoint ("teacher correction", as Minitron does: the teacher adapted to the
+  # data before its cache is written; the cache, the pruned student and eval then use it).
+  c.pretrain = opt_group()
 
   c.student = model_group(d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=384)
 
@@ -300,8 +303,6 @@ def validate(c: ml_collections.ConfigDict):
   _require(c.eval.max_seqs >= 0, f"eval.max_seqs must be >= 0 (0 = all), got {c.eval.max_seqs}")
   _check_model("teacher", c.teacher)
   _check_model("student", c.student)
-  _require("pretrain" not in c.stages or not c.teacher.hf_path,
-           "stage 'pretrain' trains a teacher from scratch; drop it when teacher.hf_path is set")
   _check_init(c)
   _check_opt("opt", c.opt)
   _check_opt("pretrain", c.pretrain)

@@ -89,7 +89,8 @@ def _online_sums(params, teacher_params, batch, *, graphdef, teacher_graphdef, c
       labels=batch["labels"], chunk_size=chunk_size, per_position=True)
   total = lambda x: jnp.sum(jnp.where(mask_BxT, x.astype(jnp.float32), 0.0))
   return ({"full_kl": total(terms["kl"]), "top1_agreement": total(terms["top1"]),
-           "ce": total(terms["ce"]), "positions": total(jnp.ones_like(terms["kl"]))},
+           "ce": total(terms["ce"]), "accuracy": total(terms["correct"]),
+           "positions": total(jnp.ones_like(terms["kl"]))},
           full_kl.calibration_sums(terms["confidence"], terms["correct"], mask_BxT))
 
 
@@ -97,7 +98,8 @@ def evaluate_online(model: nnx.Module, teacher: nnx.Module, store, *, batch_size
                     max_seqs: int, chunk_size: int | None = None, desc: str = "eval") -> dict:
   """Against the teacher run here, over the valid positions of the first `max_seqs` rows (0 =
   all) of a store (tokenised data or a cache): the full-vocabulary KL(teacher || student), top-1
-  agreement, the student's CE on the true tokens and its expected calibration error (ECE)."""
+  agreement, the student's CE on the true tokens, its next-token accuracy on them and its
+  expected calibration error (ECE)."""
   graphdef, params = nnx.split(model)
   teacher_graphdef, teacher_params = nnx.split(teacher)
   params, teacher_params = committed(params), committed(teacher_params)
@@ -115,5 +117,6 @@ def evaluate_online(model: nnx.Module, teacher: nnx.Module, store, *, batch_size
     bins = bins + np.asarray(batch_bins, np.float64)
   count = max(sums["positions"], 1.0)
   return {"full_kl": sums["full_kl"] / count, "top1_agreement": sums["top1_agreement"] / count,
-          "ce": sums["ce"] / count, "ece": full_kl.expected_calibration_error(bins),
+          "ce": sums["ce"] / count, "accuracy": sums["accuracy"] / count,
+          "ece": full_kl.expected_calibration_error(bins),
           "positions": int(sums["positions"])}

@@ -4,7 +4,8 @@ Outputs under the workdir:
   config.json                 the resolved config of the latest run
   stages.jsonl                one line per finished stage: wall time, peak device memory
   data/{train,eval}.zarr      tokenised, packed sequences (k = 0 stores); data/tokenizer.json
-  teacher/                    (stage pretrain) the teacher's checkpoints and metrics.jsonl
+  teacher/                    (stage pretrain) the teacher's checkpoints and metrics.jsonl: trained
+                              from scratch, or teacher.hf_path corrected on the train split
   cache/{train,eval}.zarr     the teacher's top-k per position (or cache.path)
   student/, baseline/         checkpoints and metrics.jsonl of the distilled / hard-label student
   eval.json                   held-out metrics of every model evaluated (a teacher.hf_path too)
@@ -68,11 +69,15 @@ def teacher_mesh(mesh_cfg, teacher_devices: str):
 
 def stage_cache(c, paths: Paths):
   mesh = teacher_mesh(c.mesh, c.cache.teacher_devices)
-  model = build.Models.from_config(c, paths).teacher_model(mesh)
+  models = build.Models.from_config(c, paths)
+  model = models.teacher_model(mesh)
+  who, weights = c.teacher.hf_path, c.teacher.hf_path
+  if not c.teacher.hf_path or models.corrected_teacher():
+    who = (f"{c.teacher.hf_path}, corrected" if c.teacher.hf_path else "trained") + \
+        " by stage pretrain (<workdir>/teacher)"
+    weights = os.path.join(paths.run("teacher"), "ckpt")
   # The hash identifies the weights; the name is for people (a workdir may move, so no path).
-  attrs = {"teacher": c.teacher.hf_path or "trained by stage pretrain (<workdir>/teacher)",
-           "teacher_hash": teacher.weights_hash(
-               c.teacher.hf_path or os.path.join(paths.run("teacher"), "ckpt")),
+  attrs = {"teacher": who, "teacher_hash": teacher.weights_hash(weights),
            "tokenizer_hash": tokenizer.tokenizer_hash(paths.tokenizer()),
            "source": c.data.source, **teacher.revision_attrs(model.cfg)}
   # Hidden states only where a loss reads them: the train split.

@@ -146,9 +146,9 @@ def claim(prep, a: dict, token: str) -> bool:
     return False
 
 
-def launch(args) -> int:
-  """--processes N: N processes of this script share the arms (and the GPU: each takes memory
-  as it needs, at most 1/N of it); SIGTERM to this one is passed on, so each saves its step."""
+def launch(args, script: str = __file__) -> int:
+  """--processes N: N processes of `script` share the arms (and the GPU: each takes memory as it
+  needs, at most 1/N of it); SIGTERM to this one is passed on, so each saves its step."""
   argv, skip = [], False
   for a in sys.argv[1:]:  # every argument but --processes N / --processes=N
     if not skip and not a.startswith("--processes"):
@@ -159,7 +159,7 @@ def launch(args) -> int:
   token = f"{os.getpid()}-{time.time():.0f}"
   # Sessions of their own: a signal to this process group (timeout, Ctrl-C) reaches them once,
   # through the handler below, never twice (a second one would interrupt their checkpoint).
-  children = [subprocess.Popen([sys.executable, __file__, *argv, "--claim", token], env=env,
+  children = [subprocess.Popen([sys.executable, script, *argv, "--claim", token], env=env,
                                start_new_session=True)
               for _ in range(args.processes)]
   for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,0 +1,85 @@
+"""The recipe study's table and plot (experiments/studies/recipe_study.py --table)."""
+import json
+import os
+
+import numpy as np
+
+METRICS = (("ce", "CE", 4), ("accuracy", "acc", 4), ("full_kl", "full KL", 4),
+           ("top1_agreement", "top-1", 4), ("ece", "ECE", 4), ("exact_match", "next line", 3))
+PHASES = ("screen", "final", "correct", "control")
+
+
+def recipe_label(r: dict) -> str:
+  name = "hard labels" if r["objective"] == "hard" else "tail KL"
+  if r["ce_weight"]:
+    name += f" + {r['ce_weight']:g} CE"
+  return name + (" (corrected teacher)" if r["teacher"] == "corrected" else "")
+
+
+def table(lines: list[dict]) -> str:
+  """One row per recipe, lr and token count: the mean over its seeds, each seed's CE."""
+  groups = {}
+  for r in lines:
+    key = (PHASES.index(r["phase"]), r["tokens"], recipe_label(r), r["lr"], r["data"])
+    groups.setdefault(key, []).append(r)
+  head = ["phase", "data", "recipe", "lr", "tokens", "seeds", "CE per seed"]
+  head += [label for _, label, _ in METRICS]
+  out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for (phase, tokens, label, lr, data), rs in sorted(groups.items()):
+    rs = sorted(rs, key=lambda r: r["seed"])
+    mean = lambda m: np.mean([r[m] for r in rs]) if all(m in r for r in rs) else float("nan")
+    cells = [PHASES[phase], data, label, f"{lr:g}", f"{rs[0]['train_tokens'] / 1e6:.1f}M",
+             ",".join(str(r["seed"]) for r in rs), " / ".join(f"{r['ce']:.4f}" for r in rs)]
+    cells += [f"{mean(m):.{digits}f}" for m, _, digits in METRICS]
+    out.append("| " + " | ".join(cells) + " |")
+  return "\n".join(out)
+
+
+def teachers(root: str) -> str:
+  """The teachers' own held-out figures (the prep's teacher_eval), where the study's root is."""
+  out = []
+  for which in ("prep", "prep_corrected", "prep_sampled"):
+    path = os.path.join(root, "study", which, "prep_done.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        own = json.load(f)["teacher_eval"]
+      figures = "  ".join(f"{label} {own[m]:.{d}f}" for m, label, d in METRICS if m in own)
+      out.append(f"teacher ({which}): {figures}")
+  return "\n".join(out)
+
+
+def plot(lines: list[dict], png: str):
+  """Training CE over training tokens (lines) and held-out CE (dots) of the final arms."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  final = [r for r in lines if r["phase"] in ("final", "correct")]
+  if not final:
+    return
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  colors = {}
+  for r in sorted(final, key=lambda r: (recipe_label(r), r["seed"])):
+    label = recipe_label(r)
+    color = colors.setdefault(label, f"C{len(colors)}")
+    metrics = os.path.join(r["workdir"], r["run"], "metrics.jsonl")
+    if os.path.exists(metrics):
+      with open(metrics) as f:
+        steps = [json.loads(x) for x in f]
+      per_step = r["train_tokens"] / r["steps"]
+      ax.plot([s["step"] * per_step / 1e6 for s in steps], [s["ce"] for s in steps],
+              color=color, ls=("-", ":")[r["seed"] % 2],
+              label=f"{label}, seed {r['seed']}")
+    ax.plot([r["train_tokens"] / 1e6], [r["ce"]], "o", color=color)
+  ax.set(xlabel="training tokens (M)", ylabel="CE on the true tokens (nats)",
+         title="pruned 35M student: training CE (lines), held-out CE (dots)")
+  ax.set_ylim(top=min(ax.get_ylim()[1], 5.0))
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(png, dpi=100)
+
+
+def report(lines: list[dict], results: str, root: str = ""):
+  print(table(lines))
+  if root:
+    print(teachers(root))
+  plot(lines, os.path.splitext(results)[0] + ".png")

@@ -1,0 +1,327 @@
+"""Which recipe makes a distilled student better than hard labels? SmolLM2-135M-Instruct into the
+pruned 35M student (configs/smollm2.py), every arm with the same tuning budget.
+
+    python -m kdjax.smollm2 --out runs/smollm2                  # teacher checkpoint + corpora
+    python experiments/studies/recipe_study.py --root runs/smollm2 --processes 4   # resumable
+    python experiments/studies/recipe_study.py --table          # table and plot from the results
+
+Phases, scheduled by what is finished (arms of one phase run side by side in N processes):
+  screen  12.6M tokens: hard labels, `tail` KL at k = 100 alone and mixed with hard-label CE
+          (loss.ce_weight 0.1, 0.3, 0.5), each at lr 3e-4, 1e-3 and 3e-3, seed 0; then seed 1
+          of each objective at the lr that was best for it on seed 0.
+  final   50M tokens, seeds 0 and 1: hard labels and the distilled objective with the lowest
+          mean held-out CE over the screen's two seeds, each at its own best lr.
+  control text sampled from the teacher itself (experiments/studies/sample_teacher.py): the
+          teacher's distribution is the data's, so distillation must win unless the code is at
+          fault. Hard labels vs `tail` alone, lr 1e-3, seeds 0 and 1, 16 rows a step.
+  correct the teacher corrected first (stage pretrain from its checkpoint on the train split,
+          CORRECTION below, one setting chosen before the study), its cache written, and the
+          final's distilled recipe trained on it at 50M, seeds 0 and 1; the student is pruned
+          from the original teacher, as in every other arm, so the final's hard-label arms are
+          its baseline.
+Every arm shares the data store and the learning-rate schedule's shape (warmup a tenth of the
+steps at most 40, cosine to 10%), 64 rows x 2048 tokens a step. Each finished arm is measured
+on the held-out split (whole works and packages never trained on; --eval-rows rows) against the
+original teacher run online: CE on the true tokens, next-token accuracy, full-vocabulary KL
+(teacher || student), top-1 agreement, ECE; and next-line completion (kdjax/completion.py:
+exact match of the greedy continuation on held-out lines). One JSON line per arm in --results.
+"""
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.join(REPO, "experiments", "studies"), REPO]
+import smollm2_study as base  # noqa: E402
+from kdjax import build, cache, completion, evaluate, pipeline  # noqa: E402
+from kdjax.workdir import Paths  # noqa: E402
+
+RESULTS = os.path.join(REPO, "experiments", "results", "recipe.jsonl")
+LRS = (1e-3, 3e-3, 3e-4)  # the order they run in
+OBJECTIVES = (("hard", 0.0), ("tail", 0.0), ("tail", 0.1), ("tail", 0.3), ("tail", 0.5))
+SCREEN, FINAL, CONTROL = 12_582_912, 50_069_504, 4_000_000  # training tokens
+CONTROL_ROWS = 16  # rows a step on the sampled text (4M tokens: 122 steps)
+CORRECTION = dict(lr=3e-4, steps=80, warmup_steps=8)  # 10.5M tokens of the train split
+COMPLETION_PROMPTS = 1024  # next-line questions, from the first PROMPT_ROWS held-out rows
+PROMPT_ROWS = 256
+SAMPLED = "corpus_sampled"
+
+
+def arm(objective: str, ce: float, lr: float, seed: int, tokens: int, phase: str,
+        teacher: str = "original", data: str = "real") -> dict:
+  return dict(phase=phase, objective=objective, ce_weight=ce, lr=lr, seed=seed, tokens=tokens,
+              teacher=teacher, data=data, init="pruned", k=0 if objective == "hard" else 100,
+              hidden=0.0)
+
+
+def arm_name(a: dict) -> str:
+  recipe = a["objective"] + (f"_ce{a['ce_weight']:g}" if a["ce_weight"] else "")
+  where = "" if a["data"] == "real" else f"{a['data']}_"
+  teacher = "" if a["teacher"] == "original" else f"{a['teacher']}_"
+  return f"{where}{teacher}{recipe}_lr{a['lr']:g}_{a['tokens'] / 1e6:.1f}M_seed{a['seed']}"
+
+
+def recipe(a: dict) -> tuple:
+  return (a["objective"], a["ce_weight"])
+
+
+def best_lr(lines: dict, r: tuple) -> float | None:
+  """The screen's best lr for recipe r on seed 0 (lowest held-out CE), once all of LRS ran."""
+  ces = {a["lr"]: a["ce"] for a in lines.values()
+         if a["phase"] == "screen" and a["seed"] == 0 and recipe(a) == r}
+  return min(ces, key=ces.get) if len(ces) == len(LRS) else None
+
+
+def finalists(lines: dict) -> tuple | None:
+  """(hard's lr, the distilled recipe with the lowest mean screen CE over seeds 0 and 1, its lr)
+  once every screen arm ran; None before."""
+  means = {}
+  for r in OBJECTIVES:
+    lr = best_lr(lines, r)
+    ces = [a["ce"] for a in lines.values()
+           if a["phase"] == "screen" and recipe(a) == r and a["lr"] == lr]
+    if lr is None or len(ces) < 2:
+      return None
+    means[r] = (float(np.mean(ces)), lr)
+  distilled = min((r for r in OBJECTIVES if r[0] != "hard"), key=lambda r: means[r][0])
+  return means[("hard", 0.0)][1], distilled, means[distilled][1]
+
+
+def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
+             correct: bool = True) -> tuple[list[dict], bool]:
+  """(arms runnable now, in priority order; whether more will become runnable later). scale:
+  every token count times this (a smoke test's); control, correct: run those phases."""
+  screen, final = int(SCREEN * scale), int(FINAL * scale)
+  todo = [arm(o, ce, lr, 0, screen, "screen") for lr in LRS for o, ce in OBJECTIVES]
+  later = False
+  if control and prep_done(root, "sampled"):
+    todo += [arm(o, 0.0, 1e-3, s, int(CONTROL * scale), "control", data="sampled")
+             for s in (0, 1) for o in ("hard", "tail")]
+  elif control:
+    later = True
+  for o, ce in OBJECTIVES:
+    lr = best_lr(lines, (o, ce))
+    if lr is None:
+      later = True
+    else:
+      todo.append(arm(o, ce, lr, 1, screen, "screen"))
+  final = finalists(lines)
+  if final is None:
+    later = True
+  else:
+    hard_lr, (o, ce), lr = final
+    todo += [arm("hard", 0.0, hard_lr, s, final, "final") for s in (0, 1)]
+    todo += [arm(o, ce, lr, s, final, "final") for s in (0, 1)]
+    if correct and prep_done(root, "corrected"):
+      todo += [arm(o, ce, lr, s, final, "correct", teacher="corrected") for s in (0, 1)]
+    elif correct:
+      later = True
+  return [a for a in todo if arm_name(a) not in lines], later
+
+
+def prep_dir(root: str, which: str) -> str:
+  return os.path.join(root, "study", {"original": "prep", "sampled": "prep_sampled",
+                                      "corrected": "prep_corrected"}[which])
+
+
+def prep_done(root: str, which: str) -> bool:
+  return os.path.exists(os.path.join(prep_dir(root, which), "prep_done.json"))
+
+
+def prep_config(root: str, which: str, variant: str = ""):
+  """The data store and cache of the real text (original or corrected teacher) or of the sampled
+  text."""
+  c = base.prep_config(root, variant)
+  c.cache.update(hidden_states=False, hidden_dim=0)
+  c.workdir = prep_dir(root, which)
+  if which == "sampled":
+    c.data.source = os.path.join(root, SAMPLED, "train.jsonl")
+    c.data.eval_source = os.path.join(root, SAMPLED, "eval.jsonl")
+    c.data.max_bytes = 0
+  elif which == "corrected":
+    c.stages = ("pretrain", "cache")  # the original prep's data, linked
+    c.pretrain = c.opt.copy_and_resolve_references()
+    c.pretrain.update(**CORRECTION)
+    if variant == "smoke":
+      c.pretrain.update(steps=2, warmup_steps=0, ckpt_every=2, log_every=1)
+  return c
+
+
+def link(src: str, dst: str):
+  if not os.path.exists(dst):
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    os.symlink(os.path.abspath(src), dst)
+
+
+def completion_questions(root: str, variant: str) -> tuple[dict, object]:
+  """(prompts, decode): the next-line completion questions of the real held-out text."""
+  paths = Paths.from_config(prep_config(root, "original", variant))
+  tok = paths.tokenizer()
+  store = cache.open(paths.data("eval"))
+  rows = store.read(np.arange(min(PROMPT_ROWS, store.num_seqs)))
+  prompts = completion.pick_prompts(rows, completion.line_breaks(tok.decode, tok.vocab_size),
+                                    COMPLETION_PROMPTS)
+  return prompts, tok.decode
+
+
+def run_prep(root: str, which: str, variant: str, eval_rows: int):
+  c = prep_config(root, which, variant)
+  if which == "corrected":
+    link(os.path.join(prep_dir(root, "original"), "data"), os.path.join(c.workdir, "data"))
+  start = time.perf_counter()
+  pipeline.run(c)
+  models = build.Models.from_config(c)
+  teacher = models.teacher_model()
+  own = evaluate.evaluate_online(teacher, teacher, cache.open(Paths.from_config(c).data("eval")),
+                                 batch_size=c.eval.batch_size, max_seqs=eval_rows)
+  if which != "sampled":  # the teacher's own answers to the real text's completion questions
+    own["exact_match"] = completion.exact_match(teacher, *completion_questions(root, variant))
+  with open(os.path.join(c.workdir, "prep_done.json"), "w") as f:
+    json.dump({"seconds": time.perf_counter() - start, "teacher_eval": own}, f)
+
+
+def arm_config(root: str, a: dict, variant: str):
+  which = "sampled" if a["data"] == "sampled" else a["teacher"]
+  prep = prep_config(root, which, variant)
+  c = base.arm_config(prep, root, {**a, "fp8": False})
+  c.workdir = os.path.join(root, "study", arm_name(a))
+  os.makedirs(c.workdir, exist_ok=True)
+  link(os.path.join(prep_dir(root, "sampled" if which == "sampled" else "original"), "data"),
+       os.path.join(c.workdir, "data"))
+  c.opt.lr = a["lr"]
+  c.loss.ce_weight = a["ce_weight"]
+  if a["data"] == "sampled":
+    c.opt.batch_size = CONTROL_ROWS if variant != "smoke" else c.opt.batch_size
+    c.opt.steps = -(-a["tokens"] // (c.opt.batch_size * c.data.seq_len))
+    c.opt.warmup_steps = min(40, c.opt.steps // 10)
+  return c
+
+
+def measure(c, a: dict, teacher, root: str, eval_rows: int, questions) -> dict:
+  run = "baseline" if a["objective"] == "hard" else "student"
+  model = build.Models.from_config(c).finished(run, c.student, c.opt.steps)
+  eval_store = cache.open(os.path.join(prep_dir(root, "sampled" if a["data"] == "sampled"
+                                                else "original"), "data", "eval.zarr"))
+  line = evaluate.evaluate_online(model, teacher, eval_store, batch_size=c.eval.batch_size,
+                                  max_seqs=eval_rows)
+  if a["data"] == "real":
+    line["exact_match"] = completion.exact_match(model, *questions)
+  line.update(arm=arm_name(a), **a, steps=c.opt.steps, run=run, workdir=c.workdir,
+              train_tokens=c.opt.steps * c.opt.batch_size * c.data.seq_len,
+              commit=base.e2e_bench.commit(), device=jax.devices()[0].device_kind,
+              date=base.e2e_bench.today())
+  return line
+
+
+def claim(args, name: str) -> bool:
+  """Whether this process takes job `name`: the first of this launch (args.claim) to create its
+  claim file. An earlier launch's claims are void: its unfinished arms resume from checkpoints."""
+  folder = os.path.join(args.root, "study", "claims", args.claim)
+  os.makedirs(folder, exist_ok=True)
+  try:
+    os.close(os.open(os.path.join(folder, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    return True
+  except FileExistsError:
+    return False
+
+
+def worker(args):
+  """Takes the next arm (or prep) nobody of this launch has claimed, until none is left."""
+  orig = prep_config(args.root, "original", args.variant)
+  teacher = build.Models.from_config(orig).teacher_model()
+  questions = completion_questions(args.root, args.variant)
+  while True:
+    for which in ("corrected", "sampled"):  # long serial jobs first, when their inputs exist
+      ready = (args.correct if which == "corrected" else args.sample_tokens and os.path.exists(
+          os.path.join(args.root, SAMPLED, "eval.jsonl")))
+      if ready and not prep_done(args.root, which) and claim(args, f"prep_{which}"):
+        run_prep(args.root, which, args.variant, args.eval_rows)
+    todo, later = schedule(base.read_results(args.results), args.root, args.scale,
+                           control=bool(args.sample_tokens), correct=args.correct)
+    a = next((a for a in todo if claim(args, arm_name(a))), None)
+    if a is None and not later:
+      return
+    if a is None:
+      time.sleep(10)
+      continue
+    c = arm_config(args.root, a, args.variant)
+    start = time.perf_counter()
+    pipeline.run(c)
+    line = measure(c, a, teacher, args.root, args.eval_rows, questions)
+    line["seconds"] = time.perf_counter() - start
+    base.append(args.results, line)
+    print(f"{line['arm']}: CE {line['ce']:.4f}  KL {line['full_kl']:.4f}  "
+          f"acc {line['accuracy']:.4f}", flush=True)
+
+
+def prepare(args):
+  """The original teacher's data, cache and own held-out figures; the sampled text started."""
+  sampled = os.path.join(args.root, SAMPLED)
+  sampler = None
+  if not os.path.exists(os.path.join(sampled, "eval.jsonl")) and args.sample_tokens:
+    sampler = subprocess.Popen(
+        [args.hf_python, os.path.join(REPO, "experiments", "studies", "sample_teacher.py"),
+         "--hf", os.path.join(args.root, "hf"), "--prompts",
+         os.path.join(args.root, "corpus", "train.jsonl"), "--out", sampled,
+         "--train-tokens", str(int(args.sample_tokens * args.scale) or 1), "--eval-tokens",
+         str(int(args.sample_tokens * args.scale) // 13 or 1), "--batch-size",
+         str(args.sample_batch), "--new-tokens", str(args.sample_length)])
+  if not prep_done(args.root, "original"):
+    run_prep(args.root, "original", args.variant, args.eval_rows)
+  return sampler
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--root", default=base.smollm2.ROOT)
+  parser.add_argument("--variant", default="", help="configs/smollm2.py variant (smoke: CPU)")
+  parser.add_argument("--eval-rows", type=int, default=512, help="held-out rows measured")
+  parser.add_argument("--sample-tokens", type=int, default=CONTROL,
+                      help="tokens of teacher-sampled training text (0: no control)")
+  parser.add_argument("--sample-batch", type=int, default=1024)
+  parser.add_argument("--sample-length", type=int, default=504, help="sampled tokens a document")
+  parser.add_argument("--no-correct", dest="correct", action="store_false",
+                      help="skip the corrected teacher's phase")
+  parser.add_argument("--scale", type=float, default=1.0,
+                      help="every token count times this (smoke tests: 1e-4)")
+  parser.add_argument("--hf-python", default=sys.executable,
+                      help="a Python with torch and transformers (for the sampled text)")
+  parser.add_argument("--results", default=RESULTS)
+  parser.add_argument("--processes", type=int, default=1)
+  parser.add_argument("--claim", default="", help=argparse.SUPPRESS)
+  parser.add_argument("--table", action="store_true", help="print the table, redraw the plot")
+  args = parser.parse_args()
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(message)s",
+                      datefmt="%H:%M:%S")
+  # Arms of one shape share compiled programs (seeds, and every arm's evaluation).
+  jax.config.update("jax_compilation_cache_dir", os.path.join(args.root, "study", "jax_cache"))
+  if args.variant == "smoke":  # CPU: one lr, two objectives, each phase's code run once
+    global LRS, OBJECTIVES, COMPLETION_PROMPTS
+    LRS, OBJECTIVES = LRS[:1], (OBJECTIVES[0], OBJECTIVES[-1])
+    COMPLETION_PROMPTS = 4
+  if args.table:
+    import recipe_report
+    recipe_report.report(list(base.read_results(args.results).values()), args.results,
+                         args.root)
+    return
+  os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
+  if args.claim:  # a worker of a launch
+    worker(args)
+    return
+  sampler = prepare(args)
+  rc = base.launch(args, script=os.path.abspath(__file__))
+  if sampler is not None:
+    sampler.wait()
+  sys.exit(rc)
+
+
+if __name__ == "__main__":
+  main()
