@@ -169,14 +169,27 @@ def stage_baseline(c, paths: Paths):
 
 
 def stage_eval(c, paths: Paths):
+  """Every model of the run on the held-out split: against the teacher's cache, or with objective
+  "online" (no cache) against the teacher run beside each model, as in training."""
   models = build.Models.from_config(c, paths)
-  eval_store = cache.open(paths.cache("eval"))
   results = {}
+  online = c.loss.objective == "online"
+  if online:
+    eval_store = cache.open(paths.data("eval"))
+    the_teacher = models.teacher_model()
+  else:
+    eval_store = cache.open(paths.cache("eval"))
 
   def measure(name, model):  # one model in memory at a time: the teacher may be large
-    results[name] = evaluate.evaluate(model, eval_store, batch_size=c.eval.batch_size,
-                                      max_seqs=c.eval.max_seqs,
-                                      chunk_size=c.loss.chunk_size or None, desc=f"eval {name}")
+    desc, chunk = f"eval {name}", c.loss.chunk_size or None
+    if online:
+      results[name] = evaluate.evaluate_online(model, the_teacher, eval_store,
+                                               batch_size=c.eval.batch_size,
+                                               max_seqs=c.eval.max_seqs, chunk_size=chunk,
+                                               desc=desc)
+    else:
+      results[name] = evaluate.evaluate(model, eval_store, batch_size=c.eval.batch_size,
+                                        max_seqs=c.eval.max_seqs, chunk_size=chunk, desc=desc)
 
   measure("student_init", models.start(c.student)[0])
   weights = [os.path.join(c.teacher.hf_path, name) for name in
@@ -188,7 +201,8 @@ def stage_eval(c, paths: Paths):
   elif c.teacher.hf_path:
     # Its own held-out CE is the reference the students are measured against; its KL to the
     # top-k it cached is ~0 (up to cache.layout's quantisation) and its top-1 agreement ~1.
-    measure("teacher", models.teacher_model(teacher_mesh(c.mesh, c.cache.teacher_devices)))
+    measure("teacher", the_teacher if online else
+            models.teacher_model(teacher_mesh(c.mesh, c.cache.teacher_devices)))
   # Every finished model of the workdir, whichever stages this run lists.
   runs = [("student", c.student, c.opt), ("baseline", c.student, c.opt)]
   if not c.teacher.hf_path:
@@ -232,16 +246,19 @@ def stage_export(c, paths: Paths):
 
 
 def print_report(results: dict):
-  lines = ["", f"{'held-out':<28}{'KL to teacher':>15}{'top-1 agree':>13}{'CE (nats)':>11}"]
+  # Against a cache the KL is over the teacher's top k (sparse); online, over the vocabulary.
+  kl = "full_kl" if any("full_kl" in r for r in results.values()) else "kl"
+  head = "full KL" if kl == "full_kl" else "KL to teacher"
+  lines = ["", f"{'held-out':<28}{head:>15}{'top-1 agree':>13}{'CE (nats)':>11}"]
   labels = {"teacher": "teacher", "student_init": "student before training",
             "student": "student, distilled", "baseline": "student, hard labels only"}
   for name, r in results.items():
-    lines.append(f"{labels[name]:<28}{r['kl']:>15.4f}{r['top1_agreement']:>13.3f}{r['ce']:>11.4f}")
+    lines.append(f"{labels[name]:<28}{r[kl]:>15.4f}{r['top1_agreement']:>13.3f}{r['ce']:>11.4f}")
   if "student" in results and results["student"]["positions"] == 0:
     lines.append("the held-out rows hold no target positions (see data.loss_mask): nothing was "
                  "measured; hold out more data (data.eval_every) or raise eval.max_seqs")
   elif "student" in results:
-    before, after = results["student_init"]["kl"], results["student"]["kl"]
+    before, after = results["student_init"][kl], results["student"][kl]
     ratio = f"{before / after:.1f}x " if after > 0 else ""
     lines.append(f"distillation cut the student's KL to the teacher {ratio}"
                  f"({before:.3f} -> {after:.3f})")

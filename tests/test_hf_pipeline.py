@@ -28,7 +28,7 @@ def write_jsonl(path, rng, docs=60, tokens=280):
       f.write(json.dumps({"text": " ".join(f"w{w}" for w in words)}) + "\n")
 
 
-def run_main(work, teacher: str, stages: str) -> None:
+def run_main(work, teacher: str, stages: str, *extra: str) -> None:
   """kdjax.main on the demo config, shrunk: teacher and qwen3_student checkpoints from `work`."""
   overrides = [
       f"--config.workdir={work}/run", f"--config.data.source={work}/train.jsonl",
@@ -37,7 +37,7 @@ def run_main(work, teacher: str, stages: str) -> None:
       "--config.data.eval_every=4", "--config.cache.k=16", "--config.cache.chunk_size=16",
       "--config.loss.chunk_size=24", "--config.opt.steps=4", "--config.opt.batch_size=2",
       "--config.opt.warmup_steps=1", "--config.opt.log_every=1", "--config.opt.ckpt_every=2",
-      f"--config.stages={stages}"]
+      f"--config.stages={stages}", *extra]
   for g in ("teacher", "student"):
     overrides += [f"--config.{g}.dtype=float32", f"--config.{g}.param_dtype=float32"]
   proc = subprocess.run([sys.executable, "-m", "kdjax.main", f"--config={ROOT}/configs/demo.py",
@@ -124,3 +124,22 @@ def test_student_distils_from_a_moe_teacher(moe_teacher_run):
   assert store.k == 16 and store.num_seqs > 0
   results = json.load(open(moe_teacher_run / "run" / "eval.json"))
   assert results["student"]["kl"] < results["student_init"]["kl"]
+
+
+def test_a_checkpoint_teacher_corrected_on_the_data_writes_the_cache(
+    side_python, tmp_path, module_rng, hf_archs, run_side):
+  """Stage pretrain with teacher.hf_path fine-tunes that checkpoint on the train split (teacher
+  correction); the cache, and eval's teacher row, are then the corrected teacher's."""
+  from kdjax import teacher
+  make_checkpoints(side_python, run_side, hf_archs, tmp_path, module_rng, "qwen3")
+  run_main(tmp_path, "qwen3", "('data', 'pretrain', 'cache', 'train', 'eval')",
+           "--config.pretrain.steps=3", "--config.pretrain.batch_size=2",
+           "--config.pretrain.warmup_steps=1", "--config.pretrain.ckpt_every=3")
+  run = tmp_path / "run"
+  attrs = json.load(open(run / "cache" / "train.zarr" / "zarr.json"))["attributes"]
+  assert attrs["teacher"].endswith("qwen3, corrected by stage pretrain (<workdir>/teacher)")
+  assert attrs["teacher_hash"] == teacher.weights_hash(str(run / "teacher" / "ckpt"))
+  assert attrs["teacher_hash"] != teacher.weights_hash(str(tmp_path / "qwen3"))
+  results = json.load(open(run / "eval.json"))
+  # The teacher measured is the one that wrote the cache: no KL to its own top-k.
+  assert abs(results["teacher"]["kl"]) < 1e-3 and results["teacher"]["top1_agreement"] > 0.999

@@ -74,6 +74,21 @@ def test_cache_with_fewer_entries_than_k_is_refused(demo_run):
   assert "k=32 is asked for: set cache.k to at most 16" in last
 
 
+def test_online_objective_evaluates_without_a_cache(tmp_path, main_compile_cache):
+  """objective "online" writes no cache: eval runs the teacher beside each model instead, and
+  reports the full-vocabulary KL."""
+  workdir = tmp_path / "online"
+  out = run_main("demo.py:smoke", workdir, "--config.loss.objective=online",
+                 "--config.stages=('data', 'pretrain', 'train', 'eval')",
+                 compile_cache=main_compile_cache)
+  assert not os.path.exists(workdir / "cache")
+  results = json.load(open(workdir / "eval.json"))
+  assert set(results) == {"student_init", "teacher", "student"}
+  assert abs(results["teacher"]["full_kl"]) < 1e-5 and results["teacher"]["top1_agreement"] == 1
+  assert results["student"]["full_kl"] < results["student_init"]["full_kl"]
+  assert "full KL" in out.stderr and "distillation cut" in out.stderr
+
+
 def test_long_context_smoke_config_runs(tmp_path):
   run_main("32k.py:smoke", tmp_path / "w")
   results = json.load(open(tmp_path / "w" / "eval.json"))

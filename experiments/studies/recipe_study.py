@@ -188,19 +188,24 @@ def run_prep(root: str, which: str, variant: str, eval_rows: int):
 
 
 def arm_config(root: str, a: dict, variant: str):
+  """An arm's config: its own workdir, the prep's data (linked) and cache, the arm's recipe."""
   which = "sampled" if a["data"] == "sampled" else a["teacher"]
-  prep = prep_config(root, which, variant)
-  c = base.arm_config(prep, root, {**a, "fp8": False})
+  c = prep_config(root, which, variant)
   c.workdir = os.path.join(root, "study", arm_name(a))
-  os.makedirs(c.workdir, exist_ok=True)
+  c.cache.path = os.path.join(prep_dir(root, which), "cache")
+  c.seed = a["seed"]
+  c.init.from_teacher = True  # from the original teacher: its Hugging Face checkpoint
+  if a["data"] == "sampled" and variant != "smoke":
+    c.opt.batch_size = CONTROL_ROWS
+  c.opt.steps = -(-a["tokens"] // (c.opt.batch_size * c.opt.accum_steps * c.data.seq_len))
+  c.opt.warmup_steps = min(c.opt.warmup_steps, c.opt.steps // 10)
+  c.opt.lr = a["lr"]
+  c.stages = ("baseline",) if a["objective"] == "hard" else ("train",)
+  c.loss.update(objective="tail" if a["objective"] == "hard" else a["objective"],
+                ce_weight=a["ce_weight"])
+  c.cache.k = a["k"] or c.cache.k
   link(os.path.join(prep_dir(root, "sampled" if which == "sampled" else "original"), "data"),
        os.path.join(c.workdir, "data"))
-  c.opt.lr = a["lr"]
-  c.loss.ce_weight = a["ce_weight"]
-  if a["data"] == "sampled":
-    c.opt.batch_size = CONTROL_ROWS if variant != "smoke" else c.opt.batch_size
-    c.opt.steps = -(-a["tokens"] // (c.opt.batch_size * c.data.seq_len))
-    c.opt.warmup_steps = min(40, c.opt.steps // 10)
   return c
 
 
