@@ -195,8 +195,8 @@ def arm_config(root: str, a: dict, variant: str):
   c.cache.path = os.path.join(prep_dir(root, which), "cache")
   c.seed = a["seed"]
   c.init.from_teacher = True  # from the original teacher: its Hugging Face checkpoint
-  if a["data"] == "sampled" and variant != "smoke":
-    c.opt.batch_size = CONTROL_ROWS
+  if a["data"] == "sampled":
+    c.opt.batch_size = CONTROL_ROWS if variant != "smoke" else 2
   c.opt.steps = -(-a["tokens"] // (c.opt.batch_size * c.opt.accum_steps * c.data.seq_len))
   c.opt.warmup_steps = min(c.opt.warmup_steps, c.opt.steps // 10)
   c.opt.lr = a["lr"]
