@@ -98,7 +98,7 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
              correct: bool = True) -> tuple[list[dict], bool]:
   """(arms runnable now, in priority order; whether more will become runnable later). scale:
   every token count times this (a smoke test's); control, correct: run those phases."""
-  screen, final = int(SCREEN * scale), int(FINAL * scale)
+  screen, final_tokens = int(SCREEN * scale), int(FINAL * scale)
   todo = [arm(o, ce, lr, 0, screen, "screen") for lr in LRS for o, ce in OBJECTIVES]
   later = False
   if control and prep_done(root, "sampled"):
@@ -112,15 +112,15 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
       later = True
     else:
       todo.append(arm(o, ce, lr, 1, screen, "screen"))
-  final = finalists(lines)
-  if final is None:
+  chosen = finalists(lines)
+  if chosen is None:
     later = True
   else:
-    hard_lr, (o, ce), lr = final
-    todo += [arm("hard", 0.0, hard_lr, s, final, "final") for s in (0, 1)]
-    todo += [arm(o, ce, lr, s, final, "final") for s in (0, 1)]
+    hard_lr, (o, ce), lr = chosen
+    todo += [arm("hard", 0.0, hard_lr, s, final_tokens, "final") for s in (0, 1)]
+    todo += [arm(o, ce, lr, s, final_tokens, "final") for s in (0, 1)]
     if correct and prep_done(root, "corrected"):
-      todo += [arm(o, ce, lr, s, final, "correct", teacher="corrected") for s in (0, 1)]
+      todo += [arm(o, ce, lr, s, final_tokens, "correct", teacher="corrected") for s in (0, 1)]
     elif correct:
       later = True
   return [a for a in todo if arm_name(a) not in lines], later
