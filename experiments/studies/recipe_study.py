@@ -65,7 +65,7 @@ def arm_name(a: dict) -> str:
   recipe = a["objective"] + (f"_ce{a['ce_weight']:g}" if a["ce_weight"] else "")
   where = "" if a["data"] == "real" else f"{a['data']}_"
   teacher = "" if a["teacher"] == "original" else f"{a['teacher']}_"
-  return f"{where}{teacher}{recipe}_lr{a['lr']:g}_{a['tokens'] / 1e6:.1f}M_seed{a['seed']}"
+  return f"{where}{teacher}{recipe}_lr{a['lr']:g}_{a['tokens'] / 1e6:.3g}M_seed{a['seed']}"
 
 
 def recipe(a: dict) -> tuple:
