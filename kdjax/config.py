@@ -156,7 +156,7 @@ def base() -> ml_collections.ConfigDict:
   # "sparse" (the paper's), "renorm" (top-k renormalised); "online": no cache, the teacher runs
   # in every step and the KL is over the full vocabulary (the reference the others approximate;
   # the teacher must fit beside the student). "tail" was closest to the teacher at every k
-  # measured (README, "Which objective, k and options"; experiments/studies/fidelity.py).
+  # measured (docs/loss.md, "Which objective, k and options"; experiments/studies/fidelity.py).
   c.loss.objective = "tail"
   c.loss.temperature = 1.0  # softening; see kdjax.loss.topk_kl for the exact definition
   c.loss.ce_weight = 0.0  # weight of hard-label cross-entropy mixed into the distillation loss
