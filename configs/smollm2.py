@@ -39,7 +39,7 @@ def get_config(variant: str = ""):
   c.cache.k = 100
   # Ids coded per row by their frequency (layout.py): on the H200 the stage wrote this
   # teacher's 62M positions at 229.7 B/pos in 99.0 s, compact at 282.2 in 105.6 s
-  # (experiments/bench/cache_stage_bench.py, BENCHMARKS.md, ninth session).
+  # (experiments/bench/cache_stage_bench.py, BENCHMARKS.md, "Current numbers", 2026-12-05).
   c.cache.layout = "dictionary"
   c.cache.batch_size = 32
   c.cache.chunk_size = 512

@@ -64,7 +64,8 @@ def opt_group(**overrides) -> ml_collections.ConfigDict:
   # own (at most log2(T) + 1 programs, compiled as they first occur; cuDNN's packed backward
   # costs calls x documents x T, so rows of few documents pay less where some rows hold many:
   # experiments/studies/documents_per_row.py). On 8K rows as real code packs, "micro_batch"
-  # measured 0.4% faster per step and 35 s more compiling (BENCHMARKS.md, ninth session).
+  # measured 0.4% faster per step and 35 s more compiling (BENCHMARKS.md, "the teacher
+  # writing the dictionary layout, the step re-measured, the documents bound", 2026-12-05).
   g.documents_bound = "store"
   # Device memory the step may plan for, GiB: the model group's remat "auto" picks the fastest
   # policy that fits it (kdjax/remat_auto.py). 0: what JAX may allocate on the device.
@@ -155,7 +156,7 @@ def base() -> ml_collections.ConfigDict:
   # "sparse" (the paper's), "renorm" (top-k renormalised); "online": no cache, the teacher runs
   # in every step and the KL is over the full vocabulary (the reference the others approximate;
   # the teacher must fit beside the student). "tail" was closest to the teacher at every k
-  # measured (README, "Which objective, k and options"; experiments/studies/fidelity.py).
+  # measured (docs/loss.md, "Which objective, k and options"; experiments/studies/fidelity.py).
   c.loss.objective = "tail"
   c.loss.temperature = 1.0  # softening; see kdjax.loss.topk_kl for the exact definition
   c.loss.ce_weight = 0.0  # weight of hard-label cross-entropy mixed into the distillation loss

