@@ -13,6 +13,7 @@ from flax import nnx
 
 from kdjax.errors import UserError
 from kdjax.models import llama
+from kdjax.workdir import checkpoint_dir
 
 
 class Checkpoints:
@@ -73,14 +74,14 @@ def _meta(model_cfg: llama.ModelConfig) -> dict:
 def has_checkpoint(workdir: str) -> bool:
   """Whether a run in `workdir` has a checkpoint to resume from (orbax names each by its step;
   unfinished writes carry a suffix)."""
-  directory = os.path.join(workdir, "ckpt")
+  directory = checkpoint_dir(workdir)
   return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
 
 
 def finished_step(workdir: str, steps: int) -> bool:
   """Whether a run in `workdir` has a checkpoint at step >= steps (restore_finished's test,
   without reading parameters)."""
-  directory = os.path.join(workdir, "ckpt")
+  directory = checkpoint_dir(workdir)
   if not os.path.isdir(directory):
     return False
   steps_done = [int(name) for name in os.listdir(directory) if name.isdigit()]
@@ -90,7 +91,7 @@ def finished_step(workdir: str, steps: int) -> bool:
 def restore_finished(workdir: str, model_cfg: llama.ModelConfig, steps: int):
   """The model a run in `workdir` trained, if it finished (a checkpoint at step >= steps), else
   None. Reads the parameters only: restoring a 3B student this way reads 13 GB, not 38."""
-  directory = os.path.join(workdir, "ckpt")
+  directory = checkpoint_dir(workdir)
   if not os.path.isdir(directory):
     return None
   ckpt = Checkpoints(directory, model_cfg)

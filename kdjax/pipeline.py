@@ -75,7 +75,7 @@ def stage_cache(c, paths: Paths):
   if not c.teacher.hf_path or models.corrected_teacher():
     who = (f"{c.teacher.hf_path}, corrected" if c.teacher.hf_path else "trained") + \
         " by stage pretrain (<workdir>/teacher)"
-    weights = os.path.join(paths.run("teacher"), "ckpt")
+    weights = paths.checkpoints("teacher")
   # The hash identifies the weights; the name is for people (a workdir may move, so no path).
   attrs = {"teacher": who, "teacher_hash": teacher.weights_hash(weights),
            "tokenizer_hash": tokenizer.tokenizer_hash(paths.tokenizer()),
@@ -216,16 +216,16 @@ def stage_eval(c, paths: Paths):
     del model
   if jax.process_index() != 0:  # several processes: each measured the same; process 0 writes
     return results
-  with open(os.path.join(c.workdir, "eval.json"), "w") as f:
+  with open(paths.eval_file, "w") as f:
     json.dump(results, f, indent=2)
-  runs = {name: os.path.join(paths.run(name), "metrics.jsonl")
+  runs = {name: paths.metrics(name)
           for name in ("student", "baseline") if name in results}
   plots.training_curves(
       [("train CE on the true next tokens (nats)", "ce", runs),
        ("student's distillation loss (nats)", "kl", {"student": runs.get("student", "")}),
        ("top-1 agreement with the teacher", "top1",
         {"student": runs.get("student", "")})],
-      os.path.join(c.workdir, "curves.png"))
+      paths.curves_file)
   print_report(results)
   return results
 
@@ -279,7 +279,7 @@ def run(c: ml_collections.ConfigDict):
   checks.check_inputs(c, paths)  # the run's tokenizer, as Paths decided
   os.makedirs(c.workdir, exist_ok=True)
   if lead:
-    with open(os.path.join(c.workdir, "config.json"), "w") as f:
+    with open(paths.config_file, "w") as f:
       f.write(c.to_json_best_effort(indent=2))
   for name in c.stages:
     logging.info("stage %s", name)
@@ -288,16 +288,16 @@ def run(c: ml_collections.ConfigDict):
       STAGES[name](c, paths)
     parallel.barrier(f"stage {name}")
     if lead:
-      record_stage(c.workdir, name, time.perf_counter() - start)
+      record_stage(paths, name, time.perf_counter() - start)
 
 
-def record_stage(workdir: str, name: str, seconds: float):
+def record_stage(paths: Paths, name: str, seconds: float):
   """Logs a finished stage's wall time and the process's peak device memory so far, and appends
   both to <workdir>/stages.jsonl."""
   stats = jax.local_devices()[0].memory_stats() or {}
   peak = stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
   logging.info("stage %s done in %.1f s%s", name, seconds,
                f", peak device memory {peak:.1f} GiB" if peak is not None else "")
-  with open(os.path.join(workdir, "stages.jsonl"), "a") as f:
+  with open(paths.stages_file, "a") as f:
     f.write(json.dumps({"stage": name, "seconds": seconds, "peak_gib": peak,
                         "time": time.time()}) + "\n")

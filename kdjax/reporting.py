@@ -6,7 +6,6 @@ batches the others waited for.
 """
 import json
 import logging
-import os
 import time
 
 import jax
@@ -14,6 +13,7 @@ import numpy as np
 
 from kdjax import parallel, tensorboard
 from kdjax.models import documents, llama
+from kdjax.workdir import metrics_file, tensorboard_dir
 
 # Dense bf16 peak FLOP/s by device kind, for the MFU in the log (opt.peak_tflops overrides).
 PEAK_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100": 989e12,
@@ -42,8 +42,8 @@ class Reporter:
     self.tokens_per_step, self.hard_labels = tokens_per_step, hard_labels
     self.peak = peak_flops(opt.peak_tflops)
     self.lead = jax.process_index() == 0  # of several processes, one writes the logs and metrics
-    self.metrics_path = os.path.join(workdir, "metrics.jsonl")
-    self.events = (tensorboard.EventWriter(os.path.join(workdir, "tensorboard")) if self.lead
+    self.metrics_path = metrics_file(workdir)
+    self.events = (tensorboard.EventWriter(tensorboard_dir(workdir)) if self.lead
                    else None)
     self.time, self.step, self.wait, self.flops = time.perf_counter(), start, 0.0, 0.0
     self.first = None  # (time, step) of the first report: the ETA leaves out the compiling step

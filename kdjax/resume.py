@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 from kdjax import peers
 from kdjax.cache import durable
 from kdjax.checkpoints import Checkpoints
+from kdjax.workdir import checkpoint_dir, metrics_file
 
 
 class Run:
@@ -25,10 +26,10 @@ class Run:
 
   def __init__(self, name: str, workdir: str, model_cfg, keep: int):
     self.name = name
-    self.ckpt = Checkpoints(os.path.join(workdir, "ckpt"), model_cfg, keep=keep)
+    self.ckpt = Checkpoints(checkpoint_dir(workdir), model_cfg, keep=keep)
     self.start = self.saved = self.ckpt.latest_step() or 0
     if jax.process_index() == 0:  # of several processes, one writes the logs and metrics
-      keep_metrics_until(os.path.join(workdir, "metrics.jsonl"), self.start)
+      keep_metrics_until(metrics_file(workdir), self.start)
 
   def restore(self, state: dict, tx, loader) -> dict:
     """The state of the latest checkpoint in the structure of `state`, the loader at its

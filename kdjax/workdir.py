@@ -11,6 +11,21 @@ from kdjax import tokenizer
 from kdjax.tokenizer import Tokenizer
 
 
+def checkpoint_dir(run_dir: str) -> str:
+  """A training run's orbax checkpoints: one folder per step."""
+  return os.path.join(run_dir, "ckpt")
+
+
+def metrics_file(run_dir: str) -> str:
+  """A training run's metrics: one JSON line per logged step."""
+  return os.path.join(run_dir, "metrics.jsonl")
+
+
+def tensorboard_dir(run_dir: str) -> str:
+  """A training run's TensorBoard events."""
+  return os.path.join(run_dir, "tensorboard")
+
+
 def compile_cache_dir(c) -> str:
   """The folder of the run's compiled programs (config compile_cache), or "" when off."""
   return os.path.join(c.workdir, "compile_cache") if c.compile_cache == "workdir" else (
@@ -40,7 +55,32 @@ class Paths:
     return os.path.join(self.cache_dir, f"{split}.zarr")
 
   def run(self, name: str) -> str:
+    """A training run's folder (teacher, student, baseline) or export's."""
     return os.path.join(self.workdir, name)
+
+  def checkpoints(self, name: str) -> str:
+    return checkpoint_dir(self.run(name))
+
+  def metrics(self, name: str) -> str:
+    return metrics_file(self.run(name))
+
+  @property
+  def config_file(self) -> str:
+    """The resolved config of the latest run."""
+    return os.path.join(self.workdir, "config.json")
+
+  @property
+  def stages_file(self) -> str:
+    """One line per finished stage: wall time, peak device memory."""
+    return os.path.join(self.workdir, "stages.jsonl")
+
+  @property
+  def eval_file(self) -> str:
+    return os.path.join(self.workdir, "eval.json")
+
+  @property
+  def curves_file(self) -> str:
+    return os.path.join(self.workdir, "curves.png")
 
   @property
   def trained_tokenizer(self) -> str:
