@@ -25,7 +25,7 @@ CACHE_TARGETS = ("topk_ids", "topk_logprobs")
 
 def loss(hidden_BxTxD, lm_head_DxV, batch: dict, settings, hidden_proj=None,
          mesh: Mesh | None = None):
-  """(value, metrics) of the micro-batch. settings: train.LossSettings. hidden_proj: the learned
+  """(value, metrics) of the micro-batch. settings: loss.LossSettings. hidden_proj: the learned
   [D, H] projection of the hidden-state term, or None. mesh: the run's device mesh, or None for
   one device (the KL then runs per device on its rows, parallel.sharded_loss)."""
   names = ONLINE_TARGETS if settings.objective == "online" else CACHE_TARGETS

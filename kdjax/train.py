@@ -16,7 +16,6 @@ Shapes: A micro-batches per optimizer step, B sequences, T positions, K top-k, D
 H width of the cached hidden states.
 """
 import collections
-import dataclasses
 import functools
 import os
 import time
@@ -31,29 +30,10 @@ from jax.sharding import Mesh
 from kdjax import cache, distillation, parallel, remat_auto, reporting, resume
 from kdjax.cache import failpoints
 from kdjax.data.packing import next_token_labels
+from kdjax.loss import LossSettings
 from kdjax.models import documents, fp8, llama
 
 TRAINED = ("params", "hidden_proj")  # the state's entries the optimizer updates (when present)
-
-
-@dataclasses.dataclass(frozen=True)
-class LossSettings:
-  """The static loss arguments of the jitted step."""
-  objective: str
-  temperature: float
-  ce_weight: float
-  impl: str
-  chunk_size: int
-  dw_dtype: str
-  position_metrics: bool = True
-  hidden_weight: float = 0.0
-
-  @classmethod
-  def from_config(cls, g, hard_labels: bool) -> "LossSettings":
-    if hard_labels:  # one-hot teacher: sparse KL == cross-entropy; see the module docstring
-      return cls("sparse", 1.0, 0.0, g.impl, g.chunk_size, g.dw_dtype, g.position_metrics)
-    return cls(g.objective, g.temperature, g.ce_weight, g.impl, g.chunk_size, g.dw_dtype,
-               g.position_metrics, g.hidden_weight)
 
 
 def make_optimizer(g) -> tuple[optax.GradientTransformation, optax.Schedule]:

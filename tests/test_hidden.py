@@ -9,7 +9,7 @@ from flax import nnx
 from kdjax import cache, config, teacher, train
 from kdjax.cache import layout
 from kdjax.data.packing import next_token_labels
-from kdjax.loss import hidden
+from kdjax.loss import LossSettings, hidden
 from kdjax.models import llama
 
 V, T = 61, 12  # conftest's make_data
@@ -134,8 +134,8 @@ def test_step_loss_adds_the_weighted_term_and_trains_the_projection(tmp_path, ma
   rows = store.read(np.arange(4))
   batch = {k: jnp.asarray(v[0]) for k, v in train.to_step_batch(rows, 1, False).items()}
   proj = jnp.asarray(np.random.default_rng(1).normal(size=(32, 6)) / np.sqrt(32), jnp.float32)
-  settings = train.LossSettings("tail", 1.0, 0.0, "xla", 5, "float32", hidden_weight=0.5)
-  plain = train.LossSettings("tail", 1.0, 0.0, "xla", 5, "float32")
+  settings = LossSettings("tail", 1.0, 0.0, "xla", 5, "float32", hidden_weight=0.5)
+  plain = LossSettings("tail", 1.0, 0.0, "xla", 5, "float32")
   grad_fn = jax.value_and_grad(train.loss_fn, has_aux=True)
   (value, metrics), grads = grad_fn({"params": params, "hidden_proj": proj}, graphdef, batch,
                                     settings, 1)

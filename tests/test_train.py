@@ -12,6 +12,7 @@ from flax import nnx
 
 from kdjax import cache, config, remat_auto, train
 from kdjax.errors import UserError
+from kdjax.loss import LossSettings
 from kdjax.models import remat
 from kdjax.data.packing import next_token_labels
 from kdjax.models import llama
@@ -38,7 +39,7 @@ def test_hard_label_loss_is_cross_entropy(tmp_path, rng, caplog):
   (its one-hot "teacher" makes the step's kl the CE itself)."""
   store = make_cache(tmp_path / "c.zarr", rng)
   batch = {k: v[0] for k, v in train.to_step_batch(store.read(np.arange(2)), 1, True).items()}
-  loss = train.LossSettings.from_config(config.base().loss, hard_labels=True)
+  loss = LossSettings.from_config(config.base().loss, hard_labels=True)
   graphdef, params = nnx.split(llama.Transformer(tiny_model_cfg(), rngs=nnx.Rngs(0)))
   _, metrics = train.loss_fn({"params": params}, graphdef, batch, loss, 1)
   np.testing.assert_allclose(metrics["kl"], metrics["ce"], rtol=1e-5)
@@ -63,11 +64,11 @@ def test_to_step_batch_shapes_and_one_hot_teacher():
   np.testing.assert_array_equal(batch["labels"][0, 0, :-1], rows["tokens"][0, 1:])
   g = config.base().loss
   g.update(objective="tail", temperature=2.0, ce_weight=0.5, hidden_weight=1.0, chunk_size=24)
-  own = train.LossSettings.from_config(g, hard_labels=False)
+  own = LossSettings.from_config(g, hard_labels=False)
   assert (own.objective, own.temperature, own.ce_weight, own.hidden_weight) == (
       "tail", 2.0, 0.5, 1.0)
   # hard labels: the one-hot teacher's sparse KL at tau 1 is the cross-entropy, nothing mixed in
-  hard = train.LossSettings.from_config(g, hard_labels=True)
+  hard = LossSettings.from_config(g, hard_labels=True)
   assert (hard.objective, hard.temperature, hard.ce_weight, hard.hidden_weight) == (
       "sparse", 1.0, 0.0, 0.0)
   for field in ("impl", "chunk_size", "dw_dtype", "position_metrics"):  # the run's numerics
@@ -91,7 +92,7 @@ def test_fused_loss_impl_in_the_train_step(rng):
            "topk_logprobs": np.take_along_axis(logp, ids, -1).astype(np.float32)}
   out = {}
   for impl in ("xla", "pallas"):
-    settings = train.LossSettings("tail", 1.0, 0.2, impl, 0, "float32")
+    settings = LossSettings("tail", 1.0, 0.2, impl, 0, "float32")
     out[impl] = jax.jit(jax.value_and_grad(train.loss_fn, has_aux=True),
                         static_argnums=(1, 3, 4))({"params": params}, graphdef, batch, settings, 1)
   (loss_x, _), grads_x = out["xla"]
@@ -118,7 +119,7 @@ def test_step_metrics_are_masked_means_of_the_dense_terms(rng):
            "segment_ids": np.ones((3, T), np.int32), "loss_mask": mask,
            "labels": next_token_labels(tokens), "topk_ids": ids,
            "topk_logprobs": np.sort(rng.normal(size=(3, T, K)), -1)[..., ::-1] - 3.0}
-  settings = train.LossSettings("sparse", 2.0, 0.0, "xla", 10, "float32")
+  settings = LossSettings("sparse", 2.0, 0.0, "xla", 10, "float32")
   loss_fn = jax.jit(train.loss_fn, static_argnums=(1, 3, 4))
   _, metrics = loss_fn({"params": params}, graphdef, batch, settings, 1)
   hidden = np.asarray(model(tokens, batch["positions"], batch["segment_ids"]), np.float64)
@@ -129,8 +130,8 @@ def test_step_metrics_are_masked_means_of_the_dense_terms(rng):
   top1 = z.argmax(-1) == ids[..., 0]
   np.testing.assert_allclose(float(metrics["entropy"]), entropy[mask].mean(), rtol=1e-4)
   np.testing.assert_allclose(float(metrics["top1"]), top1[mask].mean(), rtol=1e-6)
-  for settings in (train.LossSettings("sparse", 2.0, 0.0, "xla", 10, "float32", False),
-                   train.LossSettings("sparse", 2.0, 0.0, "paper", 10, "float32")):
+  for settings in (LossSettings("sparse", 2.0, 0.0, "xla", 10, "float32", False),
+                   LossSettings("sparse", 2.0, 0.0, "paper", 10, "float32")):
     _, metrics = loss_fn({"params": params}, graphdef, batch, settings, 1)
     assert set(metrics) == {"kl", "ce"}  # switched off; the paper's algorithm has none
 
@@ -141,7 +142,7 @@ def one_update(opt_overrides, batch_AxB, seed=0):
   tx, _ = train.make_optimizer(opt)
   graphdef, params = nnx.split(llama.Transformer(tiny_model_cfg(), rngs=nnx.Rngs(seed)))
   state, grads_sum = train.init_state(params, tx, opt)
-  settings = train.LossSettings("tail", 1.0, 0.1, "xla", 10, "float32")
+  settings = LossSettings("tail", 1.0, 0.1, "xla", 10, "float32")
   state, metrics, grads_sum = train.train_step(
       state, grads_sum, batch_AxB, graphdef=graphdef, tx=tx, loss=settings,
       state_memory=opt.state_memory, max_documents=4)
@@ -221,7 +222,7 @@ def test_second_step_compiles_nothing(state_memory, rng):
   tx, _ = train.make_optimizer(opt)
   graphdef, params = nnx.split(llama.Transformer(tiny_model_cfg(), rngs=nnx.Rngs(0)))
   state, grads_sum = train.init_state(params, tx, opt)
-  settings = train.LossSettings("tail", 1.0, 0.1, "xla", 10, "float32")
+  settings = LossSettings("tail", 1.0, 0.1, "xla", 10, "float32")
   batch = train.to_step_batch(step_rows(rng, 4), 2, hard_labels=False)
   sizes = []
   for _ in range(2):
@@ -296,7 +297,7 @@ def test_online_objective_runs_the_teacher_beside_the_step(tmp_path, rng):
   batch = {k: v[0] for k, v in batch.items()}
   student = llama.Transformer(cfg, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(student)
-  settings = train.LossSettings.from_config(loss_cfg, hard_labels=False)
+  settings = LossSettings.from_config(loss_cfg, hard_labels=False)
   targets = OnlineTargets(teacher)
   _, metrics = train.grad_step({"params": params}, {"params": jax.tree.map(jnp.zeros_like, params)},
                               targets(batch, 1), graphdef=graphdef, loss=settings, max_documents=1)
@@ -399,7 +400,7 @@ def test_remat_auto_takes_the_fastest_policy_that_fits(tmp_path, rng, monkeypatc
   store = make_cache(tmp_path / "c.zarr", rng)
   cfg = tiny_model_cfg(remat="auto", n_layers=2)
   tx, _ = train.make_optimizer(opt_group())
-  loss = train.LossSettings.from_config(config.base().loss, hard_labels=False)
+  loss = LossSettings.from_config(config.base().loss, hard_labels=False)
   graphdef, params = nnx.split(llama.Transformer(cfg, rngs=nnx.Rngs(0)))
   state, grads_sum = train.init_state(params, tx, opt_group())
 

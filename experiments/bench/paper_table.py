@@ -42,6 +42,7 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # e2e_bench; 
 import e2e_bench  # noqa: E402
 import synthetic_rows  # noqa: E402
 from kdjax import build, train  # noqa: E402
+from kdjax.loss import LossSettings  # noqa: E402
 from kdjax.models import documents, llama  # noqa: E402
 
 METHODS = ("online", "dense", "chunked", "ours")
@@ -138,7 +139,7 @@ def run(method: str, args) -> dict:
   bound = max(documents.documents_bound(b["segment_ids"]) for b in batches)
 
   tx, _ = train.make_optimizer(c.opt)
-  loss = train.LossSettings.from_config(c.loss, hard_labels=False)
+  loss = LossSettings.from_config(c.loss, hard_labels=False)
   graphdef, params = nnx.split(llama.Transformer(student_cfg, rngs=nnx.Rngs(0)))
   state, grads_sum = train.init_state(params, tx, c.opt)
   teacher_graphdef, teacher_params, teacher_flops = None, None, 0.0

@@ -56,6 +56,7 @@ from e2e_bench import commit, load_config, today  # noqa: E402
 from hlo_kernels import exact_fusion_bytes, kernels  # noqa: E402
 from synthetic_rows import docs_arg, synthetic_cache  # noqa: E402
 from kdjax import build, remat_auto, train  # noqa: E402
+from kdjax.loss import LossSettings  # noqa: E402
 from kdjax.models import documents, fp8, llama, remat  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "experiments", "results", "plans.jsonl")
@@ -187,7 +188,7 @@ def main():
   micro = {k: v[0] for k, v in train.to_step_batch(store.read(np.arange(rows)), 1, False).items()}
 
   tx, _ = train.make_optimizer(c.opt)
-  loss = train.LossSettings.from_config(c.loss, False)
+  loss = LossSettings.from_config(c.loss, False)
   graphdef, params = nnx.split(nnx.eval_shape(lambda: llama.Transformer(model_cfg,
                                                                          rngs=nnx.Rngs(0))))
   state, grads_sum = jax.eval_shape(functools.partial(train.init_state, tx=tx, opt_cfg=c.opt),

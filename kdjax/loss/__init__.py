@@ -12,8 +12,9 @@ impl fills), chunked (the scan over position chunks every chunked impl runs; imp
 kdjax.kernels.mgpu), reference (impl "reference": dense jnp), paper (impl "paper": the paper's
 algorithm, a benchmark baseline); full_kl: the full-vocabulary KL with the teacher's logits at hand
 (the online reference); hidden: the hidden-state matching term against the teacher's cached final
-hidden states.
+hidden states; settings: `LossSettings`, the static loss arguments of a jitted step.
 """
+from kdjax.loss.settings import LossSettings
 from kdjax.loss.topk_kl import IMPLS, has_position_terms, topk_kl_loss
 
-__all__ = ["IMPLS", "has_position_terms", "topk_kl_loss"]
+__all__ = ["IMPLS", "LossSettings", "has_position_terms", "topk_kl_loss"]
