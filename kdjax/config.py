@@ -1,29 +1,25 @@
 """The config schema: every field with its units, and the checks run before any stage starts.
 
 `configs/*.py` start from `base()` and override values. The defaults live here, except the model
-groups' fields, owned by kdjax.models.llama.ModelConfig; every list of choices is imported from the
-module that implements it.
+groups' fields, owned by kdjax.models.llama.ModelConfig (imported where a group is built or
+checked); every list of choices comes from kdjax.choices, which the implementing modules read too,
+so importing this module loads no JAX, flax, optax or TensorStore.
 """
 import difflib
 import re
 
 import ml_collections
 
+from kdjax.choices import DTYPES, LAYOUTS, LOSS_IMPLS as IMPLS, LOSS_MASKS, TEACHER_DEVICES
+from kdjax.choices import OBJECTIVES as CACHED_OBJECTIVES
 from kdjax.errors import UserError
-from kdjax.cache.layout import LAYOUTS
-from kdjax.data.sources import LOSS_MASKS
-from kdjax.loss import IMPLS, objectives
-from kdjax.models import llama, prune
-from kdjax.parallel import TEACHER_DEVICES
 
-# The choices are owned by the modules that implement them (imported above), except those of the
-# training code, which this module does not import (reading a config loads no trainer, no orbax):
+# The choices are kdjax.choices' (imported above), except those of the training code:
 # kdjax.train takes each of these (tests/test_train.py runs them). The stages are owned here:
 # kdjax.pipeline runs stage_<name> for each, in this order.
 STAGES = ("data", "pretrain", "cache", "train", "baseline", "eval", "export")
-DTYPES = tuple(llama.DTYPES)
 # The cached objectives (kdjax.loss.objectives) and "online": the teacher in the step.
-OBJECTIVES = objectives.OBJECTIVES + ("online",)
+OBJECTIVES = CACHED_OBJECTIVES + ("online",)
 STATE_MEMORIES = ("device", "host")  # where AdamW's moments live between updates
 DOCUMENTS_BOUNDS = ("store", "micro_batch")  # whose documents bound a grad_step compiles for
 
@@ -31,6 +27,7 @@ DOCUMENTS_BOUNDS = ("store", "micro_batch")  # whose documents bound a grad_step
 def model_group(**overrides) -> ml_collections.ConfigDict:
   """A teacher or student group: hf_path, then every field of kdjax.models.llama.ModelConfig with
   its default (documented there); vocab_size 0 takes the tokenizer's size."""
+  from kdjax.models import llama  # here, not above: importing this module loads no flax
   g = ml_collections.ConfigDict()
   g.hf_path = ""  # Hugging Face checkpoint dir; when set, the shapes come from its config.json
   for f in llama.ModelConfig.config_fields():
@@ -208,6 +205,7 @@ def _require(ok: bool, msg: str):
 def _check_model(name: str, g):
   if g.hf_path:
     return  # shapes come from the checkpoint and are checked on load
+  from kdjax.models import llama
   _require(g.vocab_size >= 0,
            f"{name}.vocab_size must be >= 0 (0 = tokenizer size), got {g.vocab_size}")
   try:
@@ -252,6 +250,7 @@ def _check_init(c):
            "set student.hf_path='' (or init.from_teacher=False to start from that checkpoint)")
   if c.teacher.hf_path:
     return  # the teacher's shapes are known once its config.json is read (checks.check_inputs)
+  from kdjax.models import llama, prune
   try:
     prune.group_config(llama.ModelConfig.from_config(c.teacher, vocab_size=1), c.student,
                        c.init.layers)

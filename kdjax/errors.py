@@ -6,24 +6,21 @@ contract check included, is a bug and keeps its traceback.
 """
 import os
 
-from kdjax.cache.errors import CacheError
-
 
 class UserError(ValueError):
   """Bad input (config, paths, data, checkpoints), raised where kdjax checks it; the message says
   what to change. A ValueError, so callers that catch those (ml_collections, tests) still do."""
 
 
-# Besides UserError and its subclasses (data.sources.DataError, data.chat.ChatTemplateError,
-# models.hf.CheckpointError): the sequence stores' own error, and train.fit's non-finite loss or
-# parameters (FloatingPointError, with the step and what to do; JAX raises it too, only under
-# jax_debug_nans, which a run does not set).
-USER_ERRORS = (UserError, CacheError, FloatingPointError)
-
-
 def is_user_error(e: BaseException) -> bool:
   """Whether `e` reports bad input (print its message) rather than a bug (show its traceback)."""
-  return isinstance(e, USER_ERRORS)
+  # Besides UserError and its subclasses (data.sources.DataError, data.chat.ChatTemplateError,
+  # models.hf.CheckpointError): the sequence stores' own error, and train.fit's non-finite loss or
+  # parameters (FloatingPointError, with the step and what to do; JAX raises it too, only under
+  # jax_debug_nans, which a run does not set). CacheError is imported here: kdjax.cache loads
+  # TensorStore, and kdjax.config (no JAX) imports this module.
+  from kdjax.cache.errors import CacheError
+  return isinstance(e, (UserError, CacheError, FloatingPointError))
 
 
 def message(e: BaseException | str) -> str:

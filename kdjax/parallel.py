@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from kdjax import choices
 from kdjax.errors import UserError
 
 AXES = ("data", "fsdp", "tensor")
@@ -170,7 +171,7 @@ def place_rows(mesh: Mesh, x_BxT):
   return _place(x_BxT, NamedSharding(mesh, spec))
 
 
-TEACHER_DEVICES = ("process", "all")
+TEACHER_DEVICES = choices.TEACHER_DEVICES
 
 
 def teacher_mesh(devices: str) -> Mesh:

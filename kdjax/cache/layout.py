@@ -43,8 +43,10 @@ import functools
 import ml_dtypes
 import numpy as np
 
+from kdjax import choices
+
 FORMAT_VERSION = 1
-LAYOUTS = ("float32", "compact", "packed", "dictionary")
+LAYOUTS = choices.LAYOUTS
 TOKEN_ARRAYS = {"tokens": "int32", "segment_ids": "int32", "positions": "int32", "loss_mask": "bool"}
 TOPK_ARRAYS = ("topk_ids", "topk_logprobs")
 HIDDEN_ARRAY = "hidden"

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pyarrow.parquet as pq
 import tqdm
 
+from kdjax import choices
 from kdjax.data import chat
 from kdjax.errors import UserError
 
@@ -24,7 +25,7 @@ _STDLIB_SKIP = frozenset({"test", "tests", "idle_test", "idlelib", "site-package
                           "__pycache__", "turtledemo", "ensurepip", "lib2to3", "encodings",
                           "pydoc_data"})
 _PARQUET_BATCH = 256
-LOSS_MASKS = ("all", "assistant")  # which tokens are targets: all, or assistant turns only
+LOSS_MASKS = choices.LOSS_MASKS  # which tokens are targets: all, or assistant turns only
 
 
 class DataError(UserError):

@@ -19,7 +19,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-OBJECTIVES = ("sparse", "tail", "renorm")
+from kdjax import choices
+
+OBJECTIVES = choices.OBJECTIVES
 
 # 1 - Q (student mass outside the top-k) is computed as 1 - sum(q_topk) in float32, which is
 # exact to ~K * 2**-24; below this floor it is clamped (and its gradient through Q dropped).

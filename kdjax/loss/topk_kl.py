@@ -40,6 +40,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kdjax import choices
 from kdjax.loss import chunked, fused, objectives, paper, reference
 
 
@@ -59,7 +60,8 @@ CHUNKED = {
     "paper": Chunked(paper.topk_kl_loss, paper.default_chunk, False, False),
 }
 # "reference" is dense (reference.py); "auto" is "pallas" on a GPU, else "xla".
-IMPLS = ("auto", "reference") + tuple(CHUNKED)
+IMPLS = choices.LOSS_IMPLS
+assert set(IMPLS) == {"auto", "reference", *CHUNKED}, "kdjax.choices.LOSS_IMPLS"
 
 
 def has_position_terms(impl: str) -> bool:

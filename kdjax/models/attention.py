@@ -33,9 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kdjax import choices
 from kdjax.models import remat
 
-IMPLS = ("auto", "einsum", "cudnn")
+IMPLS = choices.ATTENTION_IMPLS
 
 
 def document_spans(segment_ids_BxT: jax.Array, max_documents: int):

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kdjax import choices
 from kdjax.kernels import mosaic
 from kdjax.kernels import swiglu as swiglu_lib
 from kdjax.models import attention as attention_lib
@@ -30,7 +31,8 @@ from kdjax.models import remat as remat_lib
 from kdjax.models import rope
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-MLP_IMPLS = ("auto", "xla", "pallas")
+assert tuple(DTYPES) == choices.DTYPES, "kdjax.choices.DTYPES"
+MLP_IMPLS = choices.MLP_IMPLS
 # Fields that say how a model runs, not what it is: a checkpoint resumes under other values, a
 # config group sets them for a Hugging Face checkpoint's model too, and a pruned student keeps
 # its own.

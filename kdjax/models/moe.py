@@ -31,10 +31,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kdjax import choices
 from kdjax.kernels import grouped
 from kdjax.models import mxfp4
 
-EXPERT_WEIGHTS = ("float", "mxfp4")
+EXPERT_WEIGHTS = choices.EXPERT_WEIGHTS
 
 
 class Packed(nnx.Variable):

@@ -43,8 +43,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
-POLICIES = ("none", "names", "dots", "dots_attention", "attention", "offload", "full")
-CHOICES = POLICIES + ("auto",)
+from kdjax import choices
+
+POLICIES = choices.REMAT_POLICIES
+CHOICES = choices.REMAT_CHOICES
 # Fastest first, as measured on the H200 (BENCHMARKS.md, "Rematerialisation"); "auto" takes the
 # first that fits. "offload" is left out: slower than "full" there, and larger.
 AUTO_ORDER = ("none", "dots_attention", "dots", "names", "attention", "full")
