@@ -65,6 +65,8 @@ class Models:
   teacher_steps: int  # pretrain.steps: a trained teacher is finished at this step
   calibration_batch: int  # cache.batch_size: rows per teacher pass when measuring importances
   paths: Paths
+  # shapes per group ("teacher", "student"): a checkpoint's config.json is read once per stage.
+  _shapes: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   @classmethod
   def from_config(cls, c, paths: Paths | None = None) -> "Models":
@@ -76,11 +78,18 @@ class Models:
 
   def shapes(self, group) -> llama.ModelConfig:
     """model_config_of, except that a student pruned from its teacher has the teacher's shapes
-    with the student's pruned dims: one answer for training, eval and export."""
+    with the student's pruned dims: one answer for training, eval and export, computed once."""
+    name = "student" if group is self.student else "teacher" if group is self.teacher else None
+    if name is None:  # another group: not this run's, so not kept
+      return self._shapes_of(group)
+    if name not in self._shapes:
+      self._shapes[name] = self._shapes_of(group)
+    return self._shapes[name]
+
+  def _shapes_of(self, group) -> llama.ModelConfig:
     vocab_size = self.paths.tokenizer().vocab_size
     if self._pruned(group):
-      return prune.group_config(model_config_of(self.teacher, vocab_size), group,
-                                self.init.layers)
+      return prune.group_config(self.shapes(self.teacher), group, self.init.layers)
     return model_config_of(group, vocab_size)
 
   def start(self, group, mesh=None, resuming: bool = False):

@@ -55,3 +55,9 @@ def test_no_finished_teacher_is_refused(tmp_path, trained_tokenizer):
   for make in (models.teacher_model, lambda: models.start(models.student)):
     with pytest.raises(UserError, match="no finished teacher.*stage 'pretrain'"):
       make()
+
+
+def test_shapes_are_computed_once_per_group(tmp_path, trained_tokenizer):
+  models = models_of(tmp_path, trained_tokenizer, from_teacher=True)
+  assert models.shapes(models.student) is models.shapes(models.student)
+  assert models.shapes(models.teacher) is models.shapes(models.teacher)

@@ -41,6 +41,16 @@ def test_config_imports_no_training_code():
   assert out.stdout.strip() == "[]"
 
 
+def test_config_imports_no_jax():
+  """The choice lists come from kdjax.choices: importing the schema loads no JAX, flax, optax or
+  TensorStore (the model's fields are read where a group is built)."""
+  code = ("import sys, kdjax.config; "
+          "print([m for m in ('jax', 'flax', 'optax', 'tensorstore') if m in sys.modules])")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"}, check=True)
+  assert out.stdout.strip() == "[]"
+
+
 def test_unknown_field_is_rejected():
   with pytest.raises(Exception, match="nonexistent"):
     load(os.path.join(ROOT, "configs/demo.py"), "--config.loss.nonexistent=1")
