@@ -18,7 +18,8 @@ import time
 import ml_collections
 from flax import nnx
 
-from kdjax import cache, checkpoints, parallel
+from kdjax import cache, parallel
+from kdjax.training import checkpoints
 from kdjax.errors import UserError
 from kdjax.models import llama, prune
 from kdjax.workdir import Paths

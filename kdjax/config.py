@@ -15,7 +15,7 @@ from kdjax.choices import OBJECTIVES as CACHED_OBJECTIVES
 from kdjax.errors import UserError
 
 # The choices are kdjax.choices' (imported above), except those of the training code:
-# kdjax.train takes each of these (tests/test_train.py runs them). The stages are owned here:
+# training.train takes each of these (tests/test_train.py runs them). The stages are owned here:
 # kdjax.pipeline runs stage_<name> for each, in this order.
 STAGES = ("data", "pretrain", "cache", "train", "baseline", "eval", "export")
 # The cached objectives (kdjax.loss.objectives) and "online": the teacher in the step.
@@ -65,11 +65,11 @@ def opt_group(**overrides) -> ml_collections.ConfigDict:
   # writing the dictionary layout, the step re-measured, the documents bound", 2026-12-05).
   g.documents_bound = "store"
   # Device memory the step may plan for, GiB: the model group's remat "auto" picks the fastest
-  # policy that fits it (kdjax/remat_auto.py). 0: what JAX may allocate on the device.
+  # policy that fits it (kdjax/training/remat_auto.py). 0: what JAX may allocate on the device.
   g.memory_gib = 0.0
   g.log_every = 10  # steps between console / metrics.jsonl lines
   # Dense bf16 peak of the GPU in TFLOP/s, for the logged MFU (0: known GPUs from a table in
-  # kdjax/train.py; on others MFU is not logged)
+  # kdjax/training/train.py; on others MFU is not logged)
   g.peak_tflops = 0.0
   g.keep_checkpoints = 2  # latest checkpoints kept on disk (older ones deleted)
   g.ckpt_every = 100  # steps between orbax checkpoints (one is also written on exit)

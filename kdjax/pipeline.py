@@ -20,8 +20,9 @@ import time
 import jax
 import ml_collections
 
-from kdjax import (build, cache, checkpoints, checks, config, data, evaluate, parallel, peers,
-                   plots, teacher, tokenizer, train)
+from kdjax import (build, cache, checks, config, data, evaluate, parallel, peers, plots, teacher,
+                   tokenizer)
+from kdjax.training import checkpoints, train
 from kdjax.errors import UserError
 from kdjax.models import documents
 from kdjax.workdir import Paths

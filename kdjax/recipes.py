@@ -23,7 +23,7 @@ def llama_3b_student(c):
   c.student.update(vocab_size=0, d_model=3072, n_layers=28, n_heads=24, n_kv_heads=8,
                    head_dim=128, d_ff=8192, rope_theta=500000.0, tie_embeddings=True,
                    dtype="bfloat16", param_dtype="float32")
-  # The fastest rematerialisation that fits the GPU (kdjax/remat_auto.py); student.remat="full"
+  # The fastest rematerialisation that fits the GPU (training/remat_auto.py); student.remat="full"
   # is the smallest setting (its time and memory: BENCHMARKS.md, "Current numbers").
   c.student.remat = "auto"
   # The block's projections on FP8 tensor cores: the 8K and 32K steps took 0.805x and 0.774x

@@ -175,7 +175,7 @@ class OnlineTargets:
   """The targets of objective "online": each micro-batch gets the teacher's final hidden states
   (its own jitted forward, run just before the student's grad_step, so the step never holds the
   teacher's activations with its own) and its lm_head [D, V] in the compute dtype, which the
-  loss (kdjax.distillation) projects to the full-vocabulary log-probs chunk by chunk."""
+  loss (kdjax.training.distillation) projects to the full-vocabulary log-probs chunk by chunk."""
 
   def __init__(self, model):
     self.graphdef, self.params = nnx.split(model)

@@ -16,7 +16,7 @@ def module_name(path: pathlib.Path) -> str:
 
 
 def unit(module: str) -> str:
-  """The table's name for a module's unit: "loss/" for kdjax.loss.*, "train" for kdjax.train."""
+  """The table's name for a module's unit: "loss/" for kdjax.loss.*, "plots" for kdjax.plots."""
   name = module.split(".")[1]
   return f"{name}/" if (PACKAGE / name).is_dir() else name
 

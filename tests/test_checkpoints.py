@@ -1,4 +1,4 @@
-"""Checkpoints (kdjax/checkpoints.py): a finished run's parameters alone, checkpoints of older
+"""Checkpoints (training/checkpoints.py): a finished run's parameters alone, checkpoints of older
 model configs."""
 import glob
 import json
@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from kdjax import checkpoints
+from kdjax.training import checkpoints
 from tests.fixtures.train_run import fit, make_cache, opt_group, params_of, tiny_model_cfg
 
 

@@ -34,7 +34,8 @@ def test_config_imports_no_training_code():
   """Reading a config loads the schema and the choice lists, not the trainer (optax comes with
   flax, which the model's fields need)."""
   code = ("import sys; from kdjax import config, recipes; "
-          "print(sorted(m for m in sys.modules if m in ('kdjax.train', 'kdjax.checkpoints', "
+          "print(sorted(m for m in sys.modules if m in ('kdjax.training.train', "
+          "'kdjax.training.checkpoints', "
           "'kdjax.pipeline', 'kdjax.teacher', 'orbax.checkpoint', 'tensorboardX')))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"}, check=True)

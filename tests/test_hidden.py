@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdjax import cache, config, teacher, train
+from kdjax import cache, config, teacher
+from kdjax.training import train
 from kdjax.cache import layout
 from kdjax.data.packing import next_token_labels
 from kdjax.loss import LossSettings, hidden
@@ -165,7 +166,7 @@ def test_training_with_the_hidden_term(tmp_path, make_data, write, student_d):
   assert len(nmse) == 12 and all(np.isfinite(nmse))
   assert np.mean(nmse[-3:]) < 0.8 * np.mean(nmse[:3])
   # the finished run restores as a plain model (the projection is not part of it)
-  from kdjax import checkpoints
+  from kdjax.training import checkpoints
   assert checkpoints.restore_finished(str(tmp_path / "s"), cfg, 12) is not None
 
 

@@ -29,7 +29,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from kdjax import cache, config, parallel, teacher, train  # noqa: E402
+from kdjax import cache, config, parallel, teacher  # noqa: E402
+from kdjax.training import train  # noqa: E402
 from kdjax.models import llama  # noqa: E402
 from tests.fixtures.mesh_steps import CFG, grad_step_differences, mesh_of, random_rows  # noqa: E402
 from tests.fixtures.stores import store_files  # noqa: E402

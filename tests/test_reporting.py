@@ -1,11 +1,12 @@
-"""Reporting (kdjax/reporting.py): a non-finite loss names its step; the log line and
+"""Reporting (kdjax/training/reporting.py): a non-finite loss names its step; the log line and
 metrics.jsonl of a logged step."""
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from kdjax import config, reporting, train
+from kdjax import config
+from kdjax.training import reporting, train
 from kdjax.models import llama
 from kdjax.plots import read_metrics
 from tests.fixtures.train_run import T, make_cache, opt_group, tiny_model_cfg

@@ -1,4 +1,4 @@
-"""Resuming (kdjax/resume.py through train.fit): a crash resumes to the same parameters, a
+"""Resuming (kdjax/training/resume.py through train.fit): a crash resumes to the same parameters, a
 finished run is not trained again, NaN keeps the last finite checkpoint, metrics.jsonl stays exact
 across interruptions."""
 import shutil
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdjax import cache, checkpoints, train
+from kdjax import cache
+from kdjax.training import checkpoints, train
 from kdjax.models import llama
 from kdjax.plots import read_metrics
 from tests.fixtures.train_run import fit, make_cache, opt_group, params_of, tiny_model_cfg

@@ -1,10 +1,11 @@
-"""Event files from `kdjax.tensorboard`, read back with TensorBoard's own readers (a test extra)."""
+"""Event files from `kdjax.training.tensorboard`, read back with TensorBoard's own readers (a
+test extra)."""
 import os
 
 import numpy as np
 import pytest
 
-from kdjax.tensorboard import EventWriter
+from kdjax.training.tensorboard import EventWriter
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 event_file_loader = pytest.importorskip("tensorboard.backend.event_processing.event_file_loader")

@@ -1,4 +1,4 @@
-"""Training (kdjax/train.py): the loss falls, the step's metrics and updates, memory levers,
+"""Training (training/train.py): the loss falls, the step's metrics and updates, memory levers,
 accumulation, objective "online" through its targets, remat "auto"."""
 
 import dataclasses
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdjax import cache, config, remat_auto, train
+from kdjax import cache, config
+from kdjax.training import remat_auto, train
 from kdjax.errors import UserError
 from kdjax.loss import LossSettings
 from kdjax.models import remat

@@ -54,7 +54,7 @@ def from_e(chunk_terms):
 def arm_terms(arm: str):
   """Within: the chunked loss reads its top-k logits the way `arm` says ("exact" or "from_e").
   JAX's caches are cleared on the way in and out: the train step is jitted once for the process
-  (kdjax.train.grad_step), so an arm would otherwise rerun the program an earlier arm traced."""
+  (training.train.grad_step), so an arm would otherwise rerun the program an earlier arm traced."""
   exact = chunked.chunk_terms
   chunked.chunk_terms = exact if arm == "exact" else from_e(exact)
   jax.clear_caches()

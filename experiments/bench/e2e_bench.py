@@ -56,7 +56,8 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # e2e_sweep; 
 import e2e_sweep  # noqa: E402
 import gpu_watch  # noqa: E402
 from synthetic_rows import docs_arg, packed_segments, synthetic_cache  # noqa: E402
-from kdjax import build, cache, config, parallel, reporting, teacher, train  # noqa: E402
+from kdjax import build, cache, config, parallel, teacher  # noqa: E402
+from kdjax.training import reporting, train  # noqa: E402
 from kdjax.models import documents, fp8, llama  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "experiments", "results", "e2e.jsonl")

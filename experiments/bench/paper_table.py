@@ -41,7 +41,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # e2e_bench; kdjax
 import e2e_bench  # noqa: E402
 import synthetic_rows  # noqa: E402
-from kdjax import build, train  # noqa: E402
+from kdjax import build  # noqa: E402
+from kdjax.training import train  # noqa: E402
 from kdjax.loss import LossSettings  # noqa: E402
 from kdjax.models import documents, llama  # noqa: E402
 

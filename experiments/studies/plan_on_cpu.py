@@ -5,7 +5,7 @@
         --policies full,attention,names
 
 For each remat policy, the micro-batch program (`train.grad_step`, the program remat "auto"
-plans with: kdjax/remat_auto.py) compiled for the H200 through JAX's deviceless ahead-of-time
+plans with: training/remat_auto.py) compiled for the H200 through JAX's deviceless ahead-of-time
 path (`jax.experimental.topologies` with the H200's target config: XLA's own GPU compiler, cuDNN's
 attention and the Pallas loss head included), and what auto would decide: the resident arrays
 (train state, gradient sum, micro-batch) plus XLA's temporaries, against MARGIN of the budget
@@ -55,7 +55,8 @@ sys.path[:0] = [os.path.join(ROOT, "experiments", "bench"), ROOT]
 from e2e_bench import commit, load_config, today  # noqa: E402
 from hlo_kernels import exact_fusion_bytes, kernels  # noqa: E402
 from synthetic_rows import docs_arg, synthetic_cache  # noqa: E402
-from kdjax import build, remat_auto, train  # noqa: E402
+from kdjax import build  # noqa: E402
+from kdjax.training import remat_auto, train  # noqa: E402
 from kdjax.loss import LossSettings  # noqa: E402
 from kdjax.models import documents, fp8, llama, remat  # noqa: E402
 

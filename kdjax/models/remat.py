@@ -33,7 +33,7 @@ output instead, one a layer.
 
 Every policy computes the same loss and gradients (tests/test_models.py); which one is fastest
 and what each costs at the paper's shapes is measured in BENCHMARKS.md ("Rematerialisation").
-"auto" is resolved before training by kdjax.train.resolve_remat (kdjax/remat_auto.py): the
+"auto" is resolved before training by training.train.resolve_remat (training/remat_auto.py): the
 fastest of AUTO_ORDER whose planned step fits the memory budget (opt.memory_gib). Left
 unresolved (forward passes: eval, the cache; loops of their own) it runs as "full", which costs
 nothing without a backward pass and the least memory with one.

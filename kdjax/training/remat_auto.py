@@ -94,7 +94,7 @@ def tokens_per_device(tokens_BxT) -> int:
 def choose(graphdef, model_cfg: llama.ModelConfig, resident, tokens: int, lower,
            memory_gib: float):
   """(graphdef, cfg) with the fastest policy of AUTO_ORDER that fits (cfg.remat is "auto":
-  kdjax.train.resolve_remat calls this only then). resident: the arrays on the device while a
+  training.train.resolve_remat calls this only then). resident: the arrays on the device while a
   micro-batch runs (train state, gradient sum, the micro-batch); tokens: the micro-batch's
   tokens per device; lower(graphdef) -> that program lowered with graphdef."""
   budget = budget_bytes(memory_gib)

@@ -3,7 +3,7 @@
 Distillation reads a teacher cache (top-k ids and log-probs per position), or, with objective
 "online" (the reference the cached objectives approximate), a plain data store whose micro-batches
 get the teacher's outputs from a producer of targets run beside the step (`train_step`'s
-`targets`); either way the step reads its targets from the batch (the loss: kdjax.distillation).
+`targets`); either way the step reads its targets from the batch (the loss: training.distillation).
 Hard-label training (the demo's teacher pre-training and the hard-label baseline) reads a plain
 data store and uses the same loss with a one-hot "teacher": K = 1, id = next token, log-prob 0,
 for which the sparse KL is exactly the cross-entropy. One code path for all.
@@ -27,7 +27,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from kdjax import cache, distillation, parallel, remat_auto, reporting, resume
+from kdjax import cache, parallel
+from kdjax.training import distillation, remat_auto, reporting, resume
 from kdjax.cache import failpoints
 from kdjax.data.packing import next_token_labels
 from kdjax.loss import LossSettings
@@ -97,7 +98,7 @@ def in_batch(micro_BxT: dict, max_documents: int) -> dict:
 
 def loss_fn(trained_params, graphdef, batch, loss: LossSettings, max_documents: int,
             mesh: Mesh | None = None):
-  """The micro-batch's loss and metrics (kdjax.distillation, on the targets the batch holds).
+  """The micro-batch's loss and metrics (training.distillation, on the targets the batch holds).
   trained_params: see `trained`. mesh: the run's device mesh (kdjax/parallel.py), or None for
   one device."""
   model = nnx.merge(graphdef, trained_params["params"])
@@ -163,7 +164,7 @@ def init_state(params, tx, opt_cfg, hidden_proj=None):
   if opt_cfg.state_memory == "host":
     # Made in this process's memory, never on the GPU: 8 bytes per parameter there for a moment
     # can leave JAX's pool holding regions that a step's one block of temporaries cannot use
-    # (kdjax/remat_auto.py). make_optimizer's state starts at zero (tests/test_train.py).
+    # (kdjax/training/remat_auto.py). make_optimizer's state starts at zero (tests/test_train.py).
     shapes = jax.eval_shape(tx.init, train_params)
     zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
     opt = jax.device_put(zeros, device.with_memory_kind("pinned_host"))
@@ -211,7 +212,7 @@ def _hidden_projection(loss: LossSettings, model_cfg: llama.ModelConfig, store, 
 
 def resolve_remat(graphdef, model_cfg, state, grads_sum, store, opt, loss, hard_labels,
                   max_documents: int, targets=in_batch, mesh=None):
-  """remat "auto" made a policy (kdjax/remat_auto.py), planned on the store's first micro-batch
+  """remat "auto" made a policy (training/remat_auto.py), planned on the store's first micro-batch
   with its targets (see train_step) and the run's bound on documents per row: the very program
   the first step runs, so its compile is the plan's (jit keeps the program `lower` compiled)."""
   if model_cfg.remat != "auto":
@@ -315,7 +316,7 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
 
   Returns at once when the final checkpoint exists (the stage is complete). A checkpoint is
   written only after its step's metrics and parameters are checked finite, and metrics.jsonl then
-  holds exactly one line per logged step up to it (kdjax/resume.py).
+  holds exactly one line per logged step up to it (kdjax/training/resume.py).
   """
   os.makedirs(workdir, exist_ok=True)
   trainer = Trainer(model=model, model_cfg=model_cfg, store=store, opt=opt, loss_cfg=loss_cfg,

@@ -11,7 +11,8 @@ import time
 import jax
 import numpy as np
 
-from kdjax import parallel, tensorboard
+from kdjax import parallel
+from kdjax.training import tensorboard
 from kdjax.models import documents, llama
 from kdjax.workdir import metrics_file, tensorboard_dir
 
@@ -58,7 +59,7 @@ class Reporter:
   def report(self, step: int, metrics: dict, saved: int):
     """Checks and logs one step's metrics (blocks until that step is done). saved: the latest
     checkpoint's step, which a non-finite metric's error names."""
-    # On hard labels the one-hot "teacher" makes kl the cross-entropy itself (kdjax.train's
+    # On hard labels the one-hot "teacher" makes kl the cross-entropy itself (kdjax.training.train's
     # docstring): logged once, as ce.
     m = {k: float(v) for k, v in metrics.items() if not (self.hard_labels and k == "kl")}
     now = time.perf_counter()

@@ -1,7 +1,7 @@
 """A training run's checkpoint bookkeeping: resuming from the latest checkpoint, saving only
 finite parameters, and stopping on SIGTERM after a step that every process saves.
 
-A checkpoint holds the train state and the loader position (kdjax/checkpoints.py), so a resumed
+A checkpoint holds the train state and the loader position (training/checkpoints.py), so a resumed
 run sees the same batches; metrics.jsonl then holds exactly one line per logged step up to the
 checkpoint (resuming drops the lines of later steps and a torn last line).
 """
@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 
 from kdjax import peers
 from kdjax.cache import durable
-from kdjax.checkpoints import Checkpoints
+from kdjax.training.checkpoints import Checkpoints
 from kdjax.workdir import checkpoint_dir, metrics_file
 
 
