@@ -94,9 +94,9 @@ def test_imports(name, every_script):
   assert status == 0, out[-3000:]
 
 
-@pytest.mark.parametrize("name", ["hf_reference", "smollm2_convert"])
+@pytest.mark.parametrize("name", ["hf_reference", "convert"])
 def test_side_venv_scripts_compile(name, tmp_path):
-  py_compile.compile(os.path.join(ROOT, "kdjax", f"{name}.py"),
+  py_compile.compile(os.path.join(ROOT, "kdjax", "smollm2", f"{name}.py"),
                      cfile=str(tmp_path / f"{name}.pyc"), doraise=True)
 
 

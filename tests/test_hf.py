@@ -3,7 +3,7 @@ packed rows, export, round trip, student init.
 
 transformers and CPU torch live in a side venv (.venv-hf, Python 3.11: PyPI's torch for 3.12 is a
 multi-GB CUDA build; conftest's side_python). The first run creates it (about a minute) and later
-runs reuse it; the tests call kdjax/hf_reference.py in it to build tiny random checkpoints
+runs reuse it; the tests call kdjax/smollm2/hf_reference.py in it to build tiny random checkpoints
 (torch seeded per checkpoint) and to compute float64 reference logits. They skip only when no
 Python 3.11 or no torch==2.13.0 file exists.
 """

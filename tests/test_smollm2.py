@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kdjax import smollm2, smollm2_corpus
+from kdjax.smollm2 import corpus as smollm2_corpus
+from kdjax.smollm2 import prepare as smollm2
 from kdjax import tokenizer as kd_tokenizer
 from kdjax.models import hf
 

@@ -49,7 +49,7 @@ from kdjax.workdir import Paths  # noqa: E402
 
 RESULTS = os.path.join(REPO, "experiments", "results", "smollm2.jsonl")
 FP8_RESULTS = os.path.join(REPO, "experiments", "results", "smollm2_fp8.jsonl")
-HF_REFERENCE = os.path.join(REPO, "kdjax", "hf_reference.py")
+HF_REFERENCE = os.path.join(REPO, "kdjax", "smollm2", "hf_reference.py")
 HIDDEN_DIM = 144  # the cached hidden states: the teacher's 576 columns projected to a quarter
 METRICS = ("ce", "full_kl", "top1", "ece")
 PERPLEXITY_ROWS = 32  # held-out rows whose documents transformers scores per exported student

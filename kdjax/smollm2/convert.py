@@ -1,8 +1,8 @@
 """A GGUF checkpoint to a float32 Hugging Face directory; runs under a Python with torch.
 
-    PY kdjax/smollm2_convert.py FILE.gguf OUT_DIR
+    PY kdjax/smollm2/convert.py FILE.gguf OUT_DIR
 
-Needs torch, transformers, safetensors, gguf and accelerate (the side venv, kdjax.side_venv), and
+Needs torch, transformers, safetensors, gguf and accelerate (the side venv, kdjax.smollm2.side_venv), and
 imports nothing from kdjax (whose Python may lack torch). transformers' GGUF reader dequantises
 every tensor (Q4_1 here) on load; the model is saved as float32 safetensors with the tokenizer
 rebuilt from the GGUF's vocabulary (tokenizer.json, tokenizer_config.json, chat_template.jinja).
@@ -11,8 +11,8 @@ kdjax.smollm2 runs it and stamps the result.
 import os
 import sys
 
-# Run as a script, this file's folder (kdjax/) heads sys.path, and its modules (tensorboard.py,
-# config.py, data/, models/, ...) would shadow installed packages of the same names.
+# Run as a script, this file's folder (kdjax/smollm2/) heads sys.path, and its modules (corpus.py,
+# convert.py, ...) could shadow installed packages of the same names.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 

@@ -1,8 +1,8 @@
 """Reference side of the Hugging Face parity tests; runs under transformers + CPU torch.
 
-    .venv-hf/bin/python kdjax/hf_reference.py jobs.json
+    .venv-hf/bin/python kdjax/smollm2/hf_reference.py jobs.json
 
-Runs in the side venv (kdjax.side_venv; Python 3.11: the CPU torch build these machines carry),
+Runs in the side venv (kdjax.smollm2.side_venv; Python 3.11: the CPU torch build these machines carry),
 never in kdjax's venv, and imports nothing from kdjax; tests/fixtures/hf_side.py and
 experiments/studies/smollm2_study.py run it. jobs.json:
 
@@ -26,8 +26,8 @@ import json
 import os
 import sys
 
-# Run as a script, this file's folder (kdjax/) heads sys.path, and its modules (tensorboard.py,
-# config.py, data/, models/, ...) would shadow installed packages of the same names.
+# Run as a script, this file's folder (kdjax/smollm2/) heads sys.path, and its modules (corpus.py,
+# convert.py, ...) could shadow installed packages of the same names.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 

@@ -15,7 +15,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DIR = ROOT / ".venv-hf"
 # gguf and accelerate: transformers' GGUF reader (kdjax.smollm2) needs both.
 PACKAGES = ["torch==2.13.0", "transformers", "safetensors", "numpy", "gguf", "accelerate"]

