@@ -11,6 +11,8 @@ evaluation and training measure the same quantities one way. Logits never exist 
 of positions.
 """
 import functools
+import json
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from kdjax import plots
 from kdjax.loss import full_kl, topk_kl
 from kdjax.models import documents
 from kdjax.data.packing import next_token_labels, pad_rows
@@ -120,3 +123,42 @@ def evaluate_online(model: nnx.Module, teacher: nnx.Module, store, *, batch_size
           "ce": sums["ce"] / count, "accuracy": sums["accuracy"] / count,
           "ece": full_kl.expected_calibration_error(bins),
           "positions": int(sums["positions"])}
+
+
+def write_report(results: dict, eval_file: str, curves_file: str, metrics_files: dict):
+  """eval.json, the training curves of the students evaluated (metrics_files: run name ->
+  metrics.jsonl) and the report's lines in the log."""
+  with open(eval_file, "w") as f:
+    json.dump(results, f, indent=2)
+  runs = {name: path for name, path in metrics_files.items() if name in results}
+  plots.training_curves(
+      [("train CE on the true next tokens (nats)", "ce", runs),
+       ("student's distillation loss (nats)", "kl", {"student": runs.get("student", "")}),
+       ("top-1 agreement with the teacher", "top1",
+        {"student": runs.get("student", "")})],
+      curves_file)
+  print_report(results)
+
+
+def print_report(results: dict):
+  # Against a cache the KL is over the teacher's top k (sparse); online, over the vocabulary.
+  kl = "full_kl" if any("full_kl" in r for r in results.values()) else "kl"
+  head = "full KL" if kl == "full_kl" else "KL to teacher"
+  lines = ["", f"{'held-out':<28}{head:>15}{'top-1 agree':>13}{'CE (nats)':>11}"]
+  labels = {"teacher": "teacher", "student_init": "student before training",
+            "student": "student, distilled", "baseline": "student, hard labels only"}
+  for name, r in results.items():
+    lines.append(f"{labels[name]:<28}{r[kl]:>15.4f}{r['top1_agreement']:>13.3f}{r['ce']:>11.4f}")
+  if "student" in results and results["student"]["positions"] == 0:
+    lines.append("the held-out rows hold no target positions (see data.loss_mask): nothing was "
+                 "measured; hold out more data (data.eval_every) or raise eval.max_seqs")
+  elif "student" in results:
+    before, after = results["student_init"][kl], results["student"][kl]
+    ratio = f"{before / after:.1f}x " if after > 0 else ""
+    lines.append(f"distillation cut the student's KL to the teacher {ratio}"
+                 f"({before:.3f} -> {after:.3f})")
+  if "baseline" in results and "student" in results:
+    d = results["baseline"]["ce"] - results["student"]["ce"]
+    lines.append(f"held-out CE: distilled {results['student']['ce']:.4f} vs hard labels "
+                 f"{results['baseline']['ce']:.4f} ({'distillation better' if d > 0 else 'hard labels better'} by {abs(d):.4f})")
+  logging.info("\n".join(lines))

@@ -20,11 +20,12 @@ import time
 import jax
 import ml_collections
 
-from kdjax import (build, cache, checks, config, data, evaluate, parallel, peers, plots, teacher,
+from kdjax import (build, cache, checks, config, data, evaluate, parallel, peers, teacher,
                    tokenizer)
-from kdjax.training import checkpoints, train
+from kdjax.cache import identity
 from kdjax.errors import UserError
 from kdjax.models import documents
+from kdjax.training import checkpoints, train
 from kdjax.workdir import Paths
 
 
@@ -80,7 +81,7 @@ def stage_cache(c, paths: Paths):
   # The hash identifies the weights; the name is for people (a workdir may move, so no path).
   attrs = {"teacher": who, "teacher_hash": teacher.weights_hash(weights),
            "tokenizer_hash": tokenizer.tokenizer_hash(paths.tokenizer()),
-           "source": c.data.source, **teacher.revision_attrs(model.cfg)}
+           "source": c.data.source, **identity.revision_attrs(model.cfg)}
   # Hidden states only where a loss reads them: the train split.
   hidden_dim = (c.cache.hidden_dim or model.cfg.d_model) if c.cache.hidden_states else 0
   # Of several processes each writes its own regions, unless they all run one teacher.
@@ -89,7 +90,7 @@ def stage_cache(c, paths: Paths):
   hidden = {"train": hidden_dim, "eval": 0}
   data = {split: cache.open(paths.data(split)) for split in hidden}
   splits = [split for split in hidden
-            if not _holds_top_k(paths.cache(split), c.cache.k, c.cache.layout, attrs,
+            if not identity.holds_top_k(paths.cache(split), c.cache.k, c.cache.layout, attrs,
                                 hidden[split], data[split])]
   # One bound on the documents per row for the splits to write: one compiled teacher step, not
   # one per split (a real teacher's compile takes seconds).
@@ -106,45 +107,6 @@ def stage_cache(c, paths: Paths):
                           mesh=mesh, writers=c.cache.writers, before_region=stop.before_region,
                           max_documents=max_documents)
       stop.barrier(f"cache {split}")  # every region written before anyone reads the split
-
-
-def _holds_top_k(path: str, k: int, layout: str, attrs: dict, hidden_dim: int,
-                 data_store) -> bool:
-  """Whether a complete cache at `path` of this teacher (attrs: stage_cache's) on these rows holds
-  at least k entries per position (more serve k: cache.open reads the first k), in any layout
-  (one written earlier with another cache.layout, or by `python -m kdjax.cache recode`): no need
-  to write one. Raises CacheError for a cache of this teacher that older code wrote wrong."""
-  _refuse_stale(path, attrs)
-  try:
-    store = cache.open(path, k=k)
-  except cache.CacheError:
-    return False  # none, incomplete or otherwise unfit: write_cache resumes it or says why
-  if not (store.attrs.get("teacher_hash") == attrs["teacher_hash"]
-          and store.attrs.get("data") == teacher.data_attrs(data_store)
-          and (store.hidden_dim == hidden_dim or not hidden_dim)):
-    return False
-  if store.k > k or store.layout != layout:
-    logging.info("cache: %s holds this teacher's top %d of these rows in the %s layout; read as "
-                 "its top %d", path, store.k, store.layout, k)
-  return True
-
-
-def _refuse_stale(path: str, attrs: dict):
-  """CacheError if `path` holds a cache, finished or not, of the teacher of `attrs` that lacks one
-  of its revision attributes (teacher.revision_attrs): written by older code, wrong in places."""
-  try:
-    store = cache.open(path, allow_partial=True)
-  except cache.CacheError:
-    return  # none or unreadable: write_cache says why
-  if store.attrs.get("teacher_hash") != attrs["teacher_hash"]:
-    return
-  for key, value in attrs.items():
-    if key.endswith("_written_since") and store.attrs.get(key) != value:
-      raise cache.CacheError(
-          f"{path} holds this teacher's cache written before commit {value}: a teacher with "
-          f"attention sinks (gpt-oss) then read other documents' statistics at more than one row "
-          f"per teacher call (cache.batch_size > 1), so its top-k may be wrong. Delete {path} and "
-          f"run the cache stage again.")
 
 
 def stage_train(c, paths: Paths):
@@ -217,17 +179,8 @@ def stage_eval(c, paths: Paths):
     del model
   if jax.process_index() != 0:  # several processes: each measured the same; process 0 writes
     return results
-  with open(paths.eval_file, "w") as f:
-    json.dump(results, f, indent=2)
-  runs = {name: paths.metrics(name)
-          for name in ("student", "baseline") if name in results}
-  plots.training_curves(
-      [("train CE on the true next tokens (nats)", "ce", runs),
-       ("student's distillation loss (nats)", "kl", {"student": runs.get("student", "")}),
-       ("top-1 agreement with the teacher", "top1",
-        {"student": runs.get("student", "")})],
-      paths.curves_file)
-  print_report(results)
+  evaluate.write_report(results, paths.eval_file, paths.curves_file,
+                        {name: paths.metrics(name) for name in ("student", "baseline")})
   return results
 
 
@@ -244,30 +197,6 @@ def stage_export(c, paths: Paths):
   hf.export(model, model.cfg, paths.run("export"), tokenizer_dir=paths.student_tokenizer_dir)
   logging.info("exported the student to %s (transformers.AutoModelForCausalLM loads it)",
                paths.run("export"))
-
-
-def print_report(results: dict):
-  # Against a cache the KL is over the teacher's top k (sparse); online, over the vocabulary.
-  kl = "full_kl" if any("full_kl" in r for r in results.values()) else "kl"
-  head = "full KL" if kl == "full_kl" else "KL to teacher"
-  lines = ["", f"{'held-out':<28}{head:>15}{'top-1 agree':>13}{'CE (nats)':>11}"]
-  labels = {"teacher": "teacher", "student_init": "student before training",
-            "student": "student, distilled", "baseline": "student, hard labels only"}
-  for name, r in results.items():
-    lines.append(f"{labels[name]:<28}{r[kl]:>15.4f}{r['top1_agreement']:>13.3f}{r['ce']:>11.4f}")
-  if "student" in results and results["student"]["positions"] == 0:
-    lines.append("the held-out rows hold no target positions (see data.loss_mask): nothing was "
-                 "measured; hold out more data (data.eval_every) or raise eval.max_seqs")
-  elif "student" in results:
-    before, after = results["student_init"][kl], results["student"][kl]
-    ratio = f"{before / after:.1f}x " if after > 0 else ""
-    lines.append(f"distillation cut the student's KL to the teacher {ratio}"
-                 f"({before:.3f} -> {after:.3f})")
-  if "baseline" in results and "student" in results:
-    d = results["baseline"]["ce"] - results["student"]["ce"]
-    lines.append(f"held-out CE: distilled {results['student']['ce']:.4f} vs hard labels "
-                 f"{results['baseline']['ce']:.4f} ({'distillation better' if d > 0 else 'hard labels better'} by {abs(d):.4f})")
-  logging.info("\n".join(lines))
 
 
 STAGES = {name: globals()[f"stage_{name}"] for name in config.STAGES}  # config owns the names

@@ -32,7 +32,8 @@ from flax import nnx
 from tqdm import tqdm
 
 from kdjax import cache, parallel
-from kdjax.cache import failpoints
+from kdjax.cache import events
+from kdjax.cache.identity import data_attrs
 from kdjax.data.packing import pad_rows
 from kdjax.models import documents
 
@@ -197,22 +198,6 @@ def _hidden_states(graphdef, state, tokens_BxT, positions_BxT, segment_ids_BxT, 
   return nnx.merge(graphdef, state)(tokens_BxT, positions_BxT, segment_ids_BxT, max_documents)
 
 
-def revision_attrs(model_cfg) -> dict:
-  """What a cache of this teacher records of the code that wrote it, where older code wrote other
-  values: a teacher with attention sinks (gpt-oss) read other documents' log-normalisers at more
-  than one row per call before commit b87bcf6 (docs/checkpoints_and_data.md, BENCHMARKS.md
-  2026-12-05), so its caches say they were written since. Part of the cache's identity: an older
-  one is not reused (the cache stage refuses a cache of the same teacher that lacks a key ending
-  in _written_since)."""
-  return {"sinks_written_since": "b87bcf6"} if model_cfg.attention_sinks else {}
-
-
-def data_attrs(data_store) -> dict:
-  """What a cache records of the rows it was written on (its attribute "data"): the data store's
-  attributes but their creation time."""
-  return {key: value for key, value in data_store.attrs.items() if key != "created"}
-
-
 def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, vocab_size, attrs,
                 layout="float32", rank=0, world=1, region_rows=None, hidden_dim=0, mesh=None,
                 writers=0, before_region=lambda: None, max_documents=None):
@@ -291,7 +276,7 @@ def write_cache(model, data_store, cache_path, *, k, batch_size, chunk_size, voc
     store.remove_stale_lock(rank)  # a writer killed after its last record left it
     return store
   with store.writer_lock(rank):
-    failpoints.hit("locked")
+    events.reached("locked")
     run(store, todo=store.missing(rank, world))
   return store
 
@@ -333,7 +318,7 @@ def _write_regions(store, *, data_store, todo, model, projection_DxH, k, batch_s
         part.append(np.asarray(x))
       rows = min(lo + batch_size, region["stop"] - region["start"]) - lo
       bar.update(rows * store.seq_len)
-      failpoints.hit("batch")
+      events.reached("batch")
       region["left"] -= 1
       if not region["left"]:  # every batch read back: the region goes to a writer
         out = {name: region["rows"][name] for name in _TOKEN_ARRAYS}

@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from kdjax import cache, teacher  # noqa: E402
-from kdjax.models.stand_in import StandIn  # noqa: E402
+from tests.fixtures.stand_in import StandIn  # noqa: E402
 from tests.fixtures.shared import shared  # noqa: E402
 from tests.fixtures.stores import store_files  # noqa: E402
 
@@ -228,7 +228,7 @@ def write(model, data, path, **kw):
 
 
 def TinyTeacher():
-  """kdjax.models.stand_in's two-matrix teacher at this module's sizes."""
+  """tests/fixtures/stand_in.py's two-matrix teacher at this module's sizes."""
   return StandIn(TEACHER_V, TEACHER_D)
 
 

@@ -15,7 +15,8 @@ import tensorstore as ts
 
 from kdjax import cache
 from kdjax.cache import __main__ as cli
-from kdjax.cache import attributes, failpoints
+from kdjax.cache import attributes
+from tests.fixtures import failpoints
 
 V = 300  # the vocabulary of conftest's make_rows and new_store
 # What tensorstore raised when a tmpfs filled up during a shard write.

@@ -48,7 +48,8 @@ def run_two(workdir, compile_cache, failpoint: str = "", stages=STAGES, armed=1)
          parallel.ENV_COORDINATOR: f"localhost:{free_port()}"}
   env.pop("KDJAX_CACHE_FAILPOINT", None)
   procs = [subprocess.Popen(
-      [sys.executable, "-m", "kdjax.main", *ARGS, *cache_args, f"--config.workdir={workdir}",
+      [sys.executable, "-m", "tests.fixtures.failpoints", *ARGS, *cache_args,
+       f"--config.workdir={workdir}",
        stages],
       cwd=ROOT, env={**env, parallel.ENV_PROCESS_ID: str(i),
                      **({"KDJAX_CACHE_FAILPOINT": failpoint} if i == armed and failpoint else {})},

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kdjax import cache, peers, pipeline, teacher
+from kdjax import cache, peers, teacher
+from kdjax.cache import identity
 from kdjax.models import documents, llama
 
 V, T, D, K = 61, 12, 16, 7  # V, T, K: conftest's make_data and write; D: make_teacher's width
@@ -135,13 +136,13 @@ def test_a_sinks_teachers_cache_from_before_the_spans_fix_is_not_reused(tmp_path
   several rows per call) is refused by the cache stage with what to do, finished or not; one that
   has them, or another teacher's, is taken as usual."""
   data = make_data(tmp_path / "data")
-  sinks = teacher.revision_attrs(llama.ModelConfig(attention_sinks=True))
-  assert teacher.revision_attrs(llama.ModelConfig()) == {}
+  sinks = identity.revision_attrs(llama.ModelConfig(attention_sinks=True))
+  assert identity.revision_attrs(llama.ModelConfig()) == {}
   old, new = tmp_path / "old", tmp_path / "new"
   write(make_teacher(), data, old)
   write(make_teacher(), data, new, attrs={"teacher_hash": "tiny", **sinks})
   attrs = {"teacher_hash": "tiny", **sinks}
-  holds = lambda path, attrs: pipeline._holds_top_k(str(path), K, "float32", attrs, 0, data)
+  holds = lambda path, attrs: identity.holds_top_k(str(path), K, "float32", attrs, 0, data)
   with pytest.raises(cache.CacheError, match="Delete .*old and run the cache stage again"):
     holds(old, attrs)
   assert holds(new, attrs)

@@ -1,7 +1,7 @@
 """Writers in separate processes: killed at random points, several at once, two of one rank.
 
 Run as a script, this file is the child process: it writes the cache of a data store with the test
-teacher. Faults land at named points of the write path (kdjax/cache/failpoints.py, armed through
+teacher. Faults land at named points of the write path (tests/fixtures/failpoints.py, armed through
 the child's KDJAX_CACHE_FAILPOINT): SIGKILL (no cleanup) at the n-th hit of a point, or a pause
 until the parent says go. No timer or timeout decides an outcome, so every verdict is the same
 under any machine load. The teacher is a two-matrix stand-in following the model contract: a
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kdjax import cache
-from kdjax.cache import failpoints
+from tests.fixtures import failpoints
 
 pytestmark = pytest.mark.slow  # whole runs in subprocesses: not in the fast subset
 

@@ -10,7 +10,7 @@ Then, per fault (kill -9 `--trials` times, the others half as often, a second wr
 inject it, check what the user sees (cache.open, `python -m kdjax.cache verify`), repair it the
 documented way, compare every file with the reference.
   kill -9          a writer subprocess SIGKILLs itself at the n-th hit of a random failpoint
-                   (kdjax/cache/failpoints.py); repair: run the writer again
+                   (tests/fixtures/failpoints.py); repair: run the writer again
   flipped byte     in a random shard of a finished cache; repair: verify --fix, run the writer again
   truncated shard  likewise, cut to a random length
   deleted shard    likewise
@@ -41,8 +41,9 @@ import numpy as np
 
 from kdjax import cache, teacher
 from kdjax.cache import __main__ as cli
-from kdjax.cache import attributes, failpoints
-from kdjax.models.stand_in import StandIn  # its defaults: V = 64, D = 16
+from kdjax.cache import attributes
+from tests.fixtures import failpoints
+from tests.fixtures.stand_in import StandIn  # its defaults: V = 64, D = 16
 
 V, D, T, K, ROWS, REGION_ROWS = 64, 16, 16, 8, 48, 2
 REGIONS = ROWS // REGION_ROWS

@@ -10,8 +10,8 @@
 Shape letters: S rows (sequences), T positions, K top-k entries. See ARCHITECTURE.md.
 `python -m kdjax.cache info|verify PATH` inspects a store; `recode PATH NEW_PATH --layout L`
 writes it again in another layout. Crash safety: store.py; create() and
-open(): opening.py; attributes and their checksum: attributes.py; fault injection for tests:
-failpoints.py.
+open(): opening.py; attributes and their checksum: attributes.py; the points where tests inject
+faults: events.py.
 """
 from kdjax.cache.loader import Loader
 from kdjax.cache.errors import CacheError

@@ -29,7 +29,7 @@ import numpy as np
 import tensorstore as ts
 
 from kdjax.cache import durable
-from kdjax.cache import failpoints
+from kdjax.cache import events
 from kdjax.cache import integrity
 from kdjax.cache import layout as layout_lib
 from kdjax.cache import lock
@@ -250,24 +250,24 @@ class Store:
     stop = start + len(batch["tokens"])
     stored = self._encode_in_pieces(start, batch)
     regions = range(start // self.region_rows, -(-stop // self.region_rows))
-    failpoints.hit("before_data")
+    events.reached("before_data")
     with durable.disk_full_is_a_cache_error(self.path):
       self._unrecord(start, stop, regions)
       futures = [self._arrays[name][start:stop].write(arr) for name, arr in stored.items()]
       for future in futures:
         future.result()
-      failpoints.hit("data")
+      events.reached("data")
       durable.fsync_all(path for region in regions for name in self.dtypes
                         for path in durable.tree(self.shard_path(name, region),
                                                  os.path.join(self.path, name)))
-      failpoints.hit("after_data")
+      events.reached("after_data")
       for region in regions:
         if self._uncovered(region, self._partial_rows() + [(start, stop)]):
           lo, hi = self.region_bounds(region)
           self._record_rows(max(lo, start), min(hi, stop))
         else:
           self._record_region(region)
-          failpoints.hit("after_record")
+          events.reached("after_record")
 
   def _unrecord(self, start, stop, regions):
     """Finished regions being overwritten read as unfinished until this write is durable."""

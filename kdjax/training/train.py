@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 from kdjax import cache, parallel
 from kdjax.training import distillation, remat_auto, reporting, resume
-from kdjax.cache import failpoints
+from kdjax.cache import events
 from kdjax.data.packing import next_token_labels
 from kdjax.loss import LossSettings
 from kdjax.models import documents, fp8, llama
@@ -336,7 +336,7 @@ def fit(*, name: str, model: nnx.Module, model_cfg: llama.ModelConfig, store, wo
       for step in range(run.start + 1, opt.steps + 1):
         stop.check(step)
         t0 = time.perf_counter()
-        failpoints.hit("step")  # tests: a process killed, stopped or stalled in training
+        events.reached("step")  # tests: a process killed, stopped or stalled in training
         batch = trainer.next_batch()
         reporter.waited(time.perf_counter() - t0)
         reporter.ran(batch["segment_ids"])
