@@ -15,8 +15,8 @@ HEADINGS = {"cache_floor": ("### Log-prob quantisers", "### Ids", "### Floors", 
 
 
 def run(study, *args):
-  """python experiments/studies/STUDY.py ARGS from the repository root on the CPU."""
-  return subprocess.run([sys.executable, f"experiments/studies/{study}.py", *args], cwd=ROOT,
+  """python -m experiments.studies.STUDY ARGS from the repository root on the CPU."""
+  return subprocess.run([sys.executable, "-m", f"experiments.studies.{study}", *args], cwd=ROOT,
                         capture_output=True, text=True, timeout=120,
                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
 

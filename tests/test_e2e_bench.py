@@ -13,7 +13,7 @@ def run(tmp_path, *args, config="configs/8k.py:smoke", devices=1, docs="3"):
   out = tmp_path / "e2e.jsonl"
   env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-  subprocess.run([sys.executable, "experiments/bench/e2e_bench.py", *args, "--config",
+  subprocess.run([sys.executable, "-m", "experiments.bench.e2e_bench", *args, "--config",
                   config, "--seq-len", "128", "--docs", docs, "--json", str(out),
                   "--dir", str(tmp_path / "work")], check=True, env=env)
   return json.loads(out.read_text().splitlines()[-1])
@@ -59,7 +59,7 @@ def test_paper_table_runs_all_four_methods(tmp_path):
   """experiments/bench/paper_table.py as committed, on a CPU-sized config: the three offline
   methods optimise the same sparse KL, so they agree on the loss."""
   out = tmp_path / "table.jsonl"
-  subprocess.run([sys.executable, "experiments/bench/paper_table.py",
+  subprocess.run([sys.executable, "-m", "experiments.bench.paper_table",
                   "--config", "configs/8k.py:smoke", "--micro-steps", "1", "--out", str(out),
                   "--dir", str(tmp_path / "work")],
                  check=True, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})

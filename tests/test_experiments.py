@@ -1,5 +1,5 @@
 """Every script in experiments/ (bench/, studies/, archive/) starts as experiments/README.md runs
-it, `python experiments/FOLDER/NAME.py` from the repository root: `--help` exits 0, so its imports
+it, `python -m experiments.FOLDER.NAME` from the repository root: `--help` exits 0, so its imports
 resolve (a renamed kdjax module or a moved sibling fails here). The cheap ones also run on a CPU;
 e2e_bench.py and paper_table.py runs are in test_e2e_bench.py, cache_floor.py's and
 cache_context.py's in test_cache_floor.py. kdjax's scripts for the side venv (torch) compile.
@@ -20,7 +20,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # FOLDER/NAME of every script
 SCRIPTS = sorted(os.path.splitext(os.path.relpath(path, os.path.join(ROOT, "experiments")))[0]
-                 for path in glob.glob(os.path.join(ROOT, "experiments", "*", "*.py")))
+                 for path in glob.glob(os.path.join(ROOT, "experiments", "*", "*.py"))
+                 if os.path.basename(path) != "__init__.py")
 # Scripts without --help, and why; their work sits under `if __name__ == "__main__"`, so an
 # import runs none of it.
 IMPORT_ONLY = {
@@ -33,24 +34,21 @@ IMPORT_ONLY = {
     "bench/mgpu_probe": "positional M K V, no flags: --help would run the full-size probe",
 }
 WITH_HELP = [name for name in SCRIPTS if name not in IMPORT_ONLY]
-# Runs each script as `python experiments/FOLDER/NAME.py --help` would (its folder heading sys.path,
-# __name__ "__main__"; an IMPORT_ONLY one as a module), in one interpreter rather than one each:
-# {name: [exit status, stdout]}. Each starts from the same sys.path with no experiment module
-# loaded, so none resolves its imports through another's sys.path entries.
+# Runs each script as `python -m experiments.FOLDER.NAME --help` would (__name__ "__main__"; an
+# IMPORT_ONLY one imported), in one interpreter rather than one each: {name: [exit status,
+# stdout]}. Each starts with no experiment module loaded.
 EVERY_SCRIPT = """
 import contextlib, io, json, os, runpy, sys, traceback
-base = sys.path[1:]
 results = {}
 for name, main in json.loads(sys.argv[1]).items():
-  path = f"experiments/{name}.py"
-  for key in [key for key, module in sys.modules.items()
-              if os.sep + "experiments" + os.sep in (getattr(module, "__file__", None) or "")]:
+  module = "experiments." + name.replace("/", ".")
+  for key in [key for key, m in sys.modules.items()
+              if os.sep + "experiments" + os.sep in (getattr(m, "__file__", None) or "")]:
     del sys.modules[key]
-  sys.path[:] = [os.path.dirname(path), *base]
-  sys.argv, out, status = [path, "--help"], io.StringIO(), 0
+  sys.argv, out, status = [module, "--help"], io.StringIO(), 0
   with contextlib.redirect_stdout(out):
     try:
-      runpy.run_path(path, run_name="__main__" if main else os.path.basename(name))
+      runpy.run_module(module, run_name="__main__" if main else module, alter_sys=main)
     except SystemExit as e:
       status = e.code or 0
     except BaseException:
@@ -101,12 +99,12 @@ def test_side_venv_scripts_compile(name, tmp_path):
 
 
 def test_cache_read_bench_tiny(tmp_path):
-  proc = run(["experiments/bench/cache_read_bench.py", "--dir", str(tmp_path), "--rows", "8",
+  proc = run(["-m", "experiments.bench.cache_read_bench", "--dir", str(tmp_path), "--rows", "8",
               "--seq-len", "64", "--k", "4", "--vocab", "100", "--batch-size", "2",
               "--batches", "2"])
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "tokens/s" in proc.stdout, proc.stdout
-  proc = run(["experiments/bench/cache_read_bench.py", "--dir", str(tmp_path), "--seq-len", "64",
+  proc = run(["-m", "experiments.bench.cache_read_bench", "--dir", str(tmp_path), "--seq-len", "64",
               "--k", "4", "--vocab", "70000", "--batch-size", "2", "--write-rounds", "2",
               "--compare-writes", "compact,dictionary"])
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -115,7 +113,7 @@ def test_cache_read_bench_tiny(tmp_path):
 
 
 def test_cache_codecs_tiny():
-  proc = run(["experiments/studies/cache_codecs.py", "--synthetic-vocab", "500", "--rows", "2",
+  proc = run(["-m", "experiments.studies.cache_codecs", "--synthetic-vocab", "500", "--rows", "2",
               "--seq-len", "32"])
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [line for line in proc.stdout.splitlines() if line.startswith("| topk_")]
@@ -127,11 +125,11 @@ def test_step_floor_from_the_committed_results():
   """experiments/studies/step_floor.py on the results committed for configs/128k.py: the floor
   of remat full and of the layers that fit kept whole, each against the target; at 8K, with the
   fusions' bytes of a GPU's compiled program."""
-  proc = run(["experiments/studies/step_floor.py"])
+  proc = run(["-m", "experiments.studies.step_floor"])
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "floor, remat full, as measured:" in proc.stdout and "layers kept whole" in proc.stdout
   # and at 8K with the elementwise work as the H100 compiled it (the committed program)
-  proc = run(["experiments/studies/step_floor.py", "--config", "configs/8k.py", "--docs", "4",
+  proc = run(["-m", "experiments.studies.step_floor", "--config", "configs/8k.py", "--docs", "4",
               "--run", "8k-none", "--gpu-hlo",
               "experiments/results/plans/h100_8k_1row_none_grad_step_hlo.txt.gz"])
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -171,8 +169,7 @@ def test_hlo_kernels_counts_kernel_bytes():
   reading the first element of the call's tuple ("%c#0": 16 B in, 32 out), a copy, and a loop
   body's fusion (64 B) launched once per trip (3); fused_ops names a fusion's operations;
   exact_fusion_bytes leaves out the loop's."""
-  sys.path.insert(0, os.path.join(ROOT, "experiments", "bench"))
-  import hlo_kernels
+  from experiments.bench import hlo_kernels
   found = hlo_kernels.kernels(HLO)
   assert [tuple(k) for k in found] == [
       ("kLoop", 384, "fused_add", 1, "f"), ("gemm", 176, "gemm_fusion", 1, "g"),
@@ -195,7 +192,7 @@ def test_profile_fusions_joins_a_trace_with_its_hlo(tmp_path):
   with gzip.open(tmp_path / "perfetto_trace.json.gz", "wt") as f:
     json.dump(trace, f)
   (tmp_path / "hlo.txt").write_text(HLO)
-  proc = run(["experiments/bench/profile_fusions.py", str(tmp_path), str(tmp_path / "hlo.txt")])
+  proc = run(["-m", "experiments.bench.profile_fusions", str(tmp_path), str(tmp_path / "hlo.txt")])
   assert proc.returncode == 0, proc.stderr[-3000:]
   line = next(line for line in proc.stdout.splitlines() if line.endswith("f: add"))
   assert line.split()[2:6] == ["2", "0.0", "768", "16%"], line
@@ -205,10 +202,8 @@ def test_profile_fusions_joins_a_trace_with_its_hlo(tmp_path):
 def test_every_sweep_entry_parses_and_its_config_validates(monkeypatch):
   """Each named configuration of e2e_bench.py sweep (e2e_sweep.SWEEP): its arguments parse and
   its config with its overrides passes config.validate, so a GPU call never fails on a typo."""
-  monkeypatch.syspath_prepend(os.path.join(ROOT, "experiments", "bench"))
   monkeypatch.chdir(ROOT)
-  import e2e_bench
-  import e2e_sweep
+  from experiments.bench import e2e_bench, e2e_sweep
   parser = e2e_bench.build_parser()
   for name, line in e2e_sweep.SWEEP.items():
     args = parser.parse_args(shlex.split(line))
@@ -219,8 +214,7 @@ def test_every_sweep_entry_parses_and_its_config_validates(monkeypatch):
 def test_smollm2_study_fp8_arms(monkeypatch, tmp_path):
   """smollm2_study.py --fp8: bf16 and FP8 arms of each seed, alike but for student.fp8_matmuls,
   each in a workdir of its own."""
-  monkeypatch.syspath_prepend(os.path.join(ROOT, "experiments", "studies"))
-  import smollm2_study
+  from experiments.studies import smollm2_study
   prep = smollm2_study.prep_config(str(tmp_path), "smoke")
   arms = smollm2_study.arms(400_000, fp8_ab=True)
   configs = [smollm2_study.arm_config(prep, str(tmp_path), a) for a in arms]
@@ -250,7 +244,7 @@ def test_profile_summary_per_step_scales_the_micro_batches(tmp_path):
   path = tmp_path / "trace.json.gz"
   with gzip.open(path, "wt") as f:
     json.dump(trace, f)
-  proc = run(["experiments/bench/profile_summary.py", str(path), "--per-step", "2", "16"])
+  proc = run(["-m", "experiments.bench.profile_summary", str(path), "--per-step", "2", "16"])
   assert proc.returncode == 0, proc.stderr[-3000:]
   got = {line.split()[0]: float(line.split()[-2]) for line in proc.stdout.splitlines()}
   assert got == {"matmul": 8.0, "experts": 0.0, "attention": 4.0, "loss": 2.0, "optimizer": 0.5,
@@ -263,8 +257,7 @@ def test_step_floor_counts_by_hand():
   each the policy reruns (full, attention: 24, all but the MLP's down; names: 4, the attention's
   output projection); elementwise 34 + 34 elements of 2 bytes, the forward's again under remat;
   AdamW 28 bytes a parameter."""
-  sys.path.insert(0, os.path.join(ROOT, "experiments", "studies"))
-  import step_floor
+  from experiments.studies import step_floor
   cfg = types.SimpleNamespace(d_model=2, n_heads=1, head_dim=2, n_kv_heads=1, d_ff=2,
                               n_layers=1, output_vocab_size=1, n_experts=0,
                               experts_per_token=1)
@@ -285,8 +278,7 @@ def test_step_floor_counts_by_hand():
 
 def test_documents_per_row_windows():
   """Each document in the smallest window of the ladder that holds it; the rest in the row."""
-  sys.path.insert(0, os.path.join(ROOT, "experiments", "studies"))
-  import documents_per_row
+  from experiments.studies import documents_per_row
   t = 1024
   row = np.zeros(t, np.int32)
   row[:100], row[100:200], row[200:300] = 1, 2, 3  # in the first 256-window, 2 in its second half
@@ -302,7 +294,7 @@ def test_documents_per_row_windows():
 def test_pipeline_bench_smoke(tmp_path):
   """The documented CPU check: every stage on the smoke config, a 2048-entry tokenizer."""
   out = tmp_path / "pipeline.jsonl"
-  proc = run(["experiments/bench/pipeline_bench.py", "--config", "configs/8k.py:smoke", "--small",
+  proc = run(["-m", "experiments.bench.pipeline_bench", "--config", "configs/8k.py:smoke", "--small",
               "--work", str(tmp_path / "work"), "--out", str(out)], timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(out.read_text().splitlines()[-1])
@@ -315,7 +307,7 @@ def test_moe_matmul_bench_small(tmp_path):
   """The grouped-matmul benchmark on one small shape: a JSON line with every timing, the
   kernels' results (here the reference's: no GPU) equal to ragged_dot's."""
   out = tmp_path / "mm.jsonl"
-  proc = run(["experiments/bench/moe_matmul_bench.py", "--small", "--tokens", "64",
+  proc = run(["-m", "experiments.bench.moe_matmul_bench", "--small", "--tokens", "64",
               "--out", str(out)])
   assert proc.returncode == 0, proc.stderr[-3000:]
   line = json.loads(out.read_text())
@@ -331,7 +323,7 @@ def test_fidelity_smoke(tmp_path):
   objective, online, and the best objective's temperature-2, CE-mix and hidden-state arms, as
   JSON lines."""
   out = tmp_path / "fidelity.jsonl"
-  proc = run(["experiments/studies/fidelity.py", "--variant", "smoke", "--seeds", "0", "--ks", "4",
+  proc = run(["-m", "experiments.studies.fidelity", "--variant", "smoke", "--seeds", "0", "--ks", "4",
               "--out", str(tmp_path / "runs"), "--results", str(out)], timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -350,8 +342,7 @@ def test_fidelity_smoke(tmp_path):
 def test_clock_samples_and_their_summary(monkeypatch):
   """nvidia-smi's lines as gpu_watch.GpuWatch reads them; a window's median clock and the
   share of its samples held by the power cap."""
-  monkeypatch.syspath_prepend(os.path.join(ROOT, "experiments", "bench"))
-  import gpu_watch
+  from experiments.bench import gpu_watch
   lines = ["2026/12/05 18:40:35.046, 81559, 1980, 127.67, 0x0000000000000000",
            "2026/12/05 18:40:36.047, 90000, 1530, 339.77, 0x0000000000000004",
            "2026/12/05 18:40:37.047, 90000, 1635, 693.25, 0x0000000000000004",

@@ -7,7 +7,7 @@ the sum of 171 chunk contributions, rounded to bf16 after every one of them (los
 many roundings as a 256K-token step at shape A gets (BENCHMARKS.md, "dW accumulated in bf16 vs
 float32"). The seed changes model init and data order; the spread between seeds is the yardstick.
 
-    python experiments/archive/dw_accumulation_ab.py [--seeds 0,1] [--out runs/dw_ab]
+    python -m experiments.archive.dw_accumulation_ab [--seeds 0,1] [--out runs/dw_ab]
 
 Makes the demo's data, teacher and cache first (OUT/demo, the demo's own stages; skipped when
 present; a few minutes on a CPU). Writes OUT/results.json and prints the held-out KL and CE.
@@ -16,11 +16,8 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # sibling scripts
-                os.path.join(ROOT, "experiments", "studies"),  # demo_ab
-                ROOT]  # kdjax, configs
 
-import demo_ab  # noqa: E402
+from experiments.studies import demo_ab  # noqa: E402
 
 CHUNK = 12
 

@@ -7,7 +7,7 @@ q_k, which then enters the loss and the exact dL/dz entries a * q_k - p_k. This 
 student (configs/demo.py, bf16 matmuls) both ways, impl "xla" with that recovery patched in
 (arm "from_e") or not ("exact"), per seed, and prints the held-out KL and CE.
 
-    python experiments/archive/topk_from_e_ab.py [--seeds 0,1] [--out runs/topk_from_e_ab]
+    python -m experiments.archive.topk_from_e_ab [--seeds 0,1] [--out runs/topk_from_e_ab]
 """
 import contextlib
 import os
@@ -17,11 +17,8 @@ import jax
 import jax.numpy as jnp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # sibling scripts
-                os.path.join(ROOT, "experiments", "studies"),  # demo_ab
-                ROOT]  # kdjax, configs
 
-import demo_ab  # noqa: E402
+from experiments.studies import demo_ab  # noqa: E402
 from kdjax.loss import chunked, objectives  # noqa: E402
 
 

@@ -11,7 +11,7 @@ with bf16 matmuls at a fine-tuning learning rate, arms "exact" and "from_e" as i
 topk_from_e_ab.py, with the same init and data order per seed, for each objective ("tail" is the
 demo's; "sparse" leans hardest on the exact entries, a * q_k - p_k with a = M).
 
-    python experiments/archive/topk_from_e_near_ab.py [--seeds 0,1] [--objectives tail,sparse]
+    python -m experiments.archive.topk_from_e_near_ab [--seeds 0,1] [--objectives tail,sparse]
         [--noise 0.2] [--lr 1e-4] [--steps 100] [--prep runs/topk_from_e_ab]
         [--out runs/topk_from_e_near_ab]
 
@@ -33,11 +33,8 @@ import numpy as np
 from flax import nnx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # sibling scripts
-                os.path.join(ROOT, "experiments", "studies"),  # demo_ab
-                ROOT]  # kdjax, configs
-import demo_ab  # noqa: E402
-import topk_from_e_ab  # noqa: E402
+from experiments.studies import demo_ab  # noqa: E402
+from experiments.archive import topk_from_e_ab  # noqa: E402
 from kdjax import cache, evaluate, pipeline  # noqa: E402
 from kdjax.models import hf  # noqa: E402
 from kdjax.workdir import Paths  # noqa: E402

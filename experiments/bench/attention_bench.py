@@ -1,6 +1,6 @@
 """Attention alone, forward and backward, on the student's heads: where does its time go?
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python experiments/bench/attention_bench.py \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python -m experiments.bench.attention_bench \
         [--seq-len 8192 --rows 2 --docs 4] [--bound M] [--docs-per-call N] \
         [--ways packed,row_causal] \
         [--results experiments/results/attention.jsonl]
@@ -31,10 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import e2e_bench  # noqa: E402
-from synthetic_rows import packed_segments  # noqa: E402
+from experiments.bench import e2e_bench  # noqa: E402
+from experiments.bench.synthetic_rows import packed_segments  # noqa: E402
 from kdjax.models import attention as attn  # noqa: E402
 from kdjax.models import documents  # noqa: E402
 

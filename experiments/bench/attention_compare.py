@@ -1,7 +1,7 @@
 """The packed attention of today's kdjax.models.attention against an older commit's, in one
 process: is a change to the attention's code slower or faster where nothing else differs?
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python experiments/bench/attention_compare.py \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python -m experiments.bench.attention_compare \
         [--seq-len 32768 --docs 8] [--against fe02211 | --module PATH]
 
 attention_bench's "packed" way (one row of `docs` Dirichlet documents, Llama-3.2-3B's heads, the
@@ -21,10 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import attention_bench  # noqa: E402
-import e2e_bench  # noqa: E402
-from synthetic_rows import packed_segments  # noqa: E402
+from experiments.bench import attention_bench  # noqa: E402
+from experiments.bench import e2e_bench  # noqa: E402
+from experiments.bench.synthetic_rows import packed_segments  # noqa: E402
 from kdjax.models import documents  # noqa: E402
 
 PATH = "kdjax/models/attention.py"

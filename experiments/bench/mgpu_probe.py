@@ -2,7 +2,7 @@
 XLA's dot of the same shape, with a bf16 and a float32 output, on one GPU; tile variants.
 
     PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false \
-        python experiments/bench/mgpu_probe.py [M K V]
+        python -m experiments.bench.mgpu_probe [M K V]
 """
 import dataclasses
 import json

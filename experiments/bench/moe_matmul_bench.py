@@ -1,8 +1,8 @@
 """The experts' grouped matmuls at gpt-oss's shapes: kdjax's kernels (kdjax/kernels/grouped.py)
 against XLA's `jax.lax.ragged_dot` and one dense matmul of the same routed FLOPs.
 
-    python experiments/bench/moe_matmul_bench.py                       # 20b, 120b shapes, 8K tokens
-    python experiments/bench/moe_matmul_bench.py --tokens 256 --small  # a check on CPU (interpreter)
+    python -m experiments.bench.moe_matmul_bench                       # 20b, 120b shapes, 8K tokens
+    python -m experiments.bench.moe_matmul_bench --tokens 256 --small  # a check on CPU (interpreter)
 
 For each shape: N tokens routed to U of X experts (Y = N U assignments, random routing, so groups
 of unequal size), [Y, D] x [X, D, F] -> [Y, F] in bf16 with float32 accumulation. Reported
@@ -27,8 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # e2e_bench; kdjax
-import e2e_bench  # noqa: E402
+from experiments.bench import e2e_bench  # noqa: E402
 from kdjax.kernels import grouped  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "experiments", "results", "moe_matmul.jsonl")

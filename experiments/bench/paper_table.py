@@ -1,7 +1,7 @@
 """The paper's four distillation methods at 8K, side by side on one GPU (its end-to-end table).
 
-    python experiments/bench/paper_table.py                  # all four, one process each
-    python experiments/bench/paper_table.py --methods ours   # one
+    python -m experiments.bench.paper_table                  # all four, one process each
+    python -m experiments.bench.paper_table --methods ours   # one
 
 The paper's setting: 8K context, a ~3.2B Llama student (configs/8k.py: float32 parameters and
 AdamW, bf16 compute), global batch 32 x 8K as 32 micro-batches of one row, an 8B-class teacher.
@@ -38,9 +38,8 @@ import numpy as np
 from flax import nnx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # e2e_bench; kdjax
-import e2e_bench  # noqa: E402
-import synthetic_rows  # noqa: E402
+from experiments.bench import e2e_bench  # noqa: E402
+from experiments.bench import synthetic_rows  # noqa: E402
 from kdjax import build  # noqa: E402
 from kdjax.training import train  # noqa: E402
 from kdjax.loss import LossSettings  # noqa: E402
@@ -224,7 +223,7 @@ def main():
     return
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   for method in args.methods:
-    cmd = [sys.executable, os.path.abspath(__file__), "--one", method, "--out", args.out,
+    cmd = [sys.executable, "-m", __spec__.name, "--one", method, "--out", args.out,
            "--dir", args.dir, "--micro-steps", str(args.micro_steps), "--config", args.config,
            "--remat", args.remat]
     cmd += ["--plan"] if args.plan else []

@@ -1,8 +1,8 @@
 """The README's run end to end at the paper's scale: every stage of `python -m kdjax.main`.
 
-    python experiments/bench/pipeline_bench.py --config configs/8k.py     # on the H200, one call
-    python experiments/bench/pipeline_bench.py --config configs/32k.py
-    python experiments/bench/pipeline_bench.py --config configs/8k.py:smoke --small   # CPU check
+    python -m experiments.bench.pipeline_bench --config configs/8k.py     # on the H200, one call
+    python -m experiments.bench.pipeline_bench --config configs/32k.py
+    python -m experiments.bench.pipeline_bench --config configs/8k.py:smoke --small   # CPU check
 
 Writes, under --work:
   teacher/   a Hugging Face checkpoint with RANDOM weights of the config's teacher shapes
@@ -31,8 +31,7 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # e2e_bench; kdjax
-import e2e_bench  # noqa: E402
+from experiments.bench import e2e_bench  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "experiments", "results", "pipeline.jsonl")
 WORDS = 128000

@@ -1,6 +1,6 @@
 """A profiled step's kernels beside the bytes each moves: which fusions run far below the HBM.
 
-    python experiments/bench/profile_fusions.py TRACE [HLO] [--top 30] [--tbps 4.8]
+    python -m experiments.bench.profile_fusions TRACE [HLO] [--top 30] [--tbps 4.8]
 
 TRACE: a perfetto_trace.json.gz, or the folder `e2e_bench.py student --profile DIR` wrote.
 HLO: the traced program's optimised HLO text (.txt or .txt.gz: XLA_FLAGS="--xla_dump_to=D
@@ -21,9 +21,8 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import hlo_kernels  # noqa: E402
-import profile_summary  # noqa: E402
+from experiments.bench import hlo_kernels  # noqa: E402
+from experiments.bench import profile_summary  # noqa: E402
 
 
 def op_times(trace_path: str, module: str = "grad_step") -> dict:

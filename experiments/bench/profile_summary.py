@@ -1,7 +1,7 @@
 """Where a profiled step's GPU time goes: the top kernels, and shares by kind of work.
 
-    python experiments/bench/profile_summary.py TRACE_DIR [--top 25]
-    python experiments/bench/profile_summary.py TRACE --per-step TRACED STEP
+    python -m experiments.bench.profile_summary TRACE_DIR [--top 25]
+    python -m experiments.bench.profile_summary TRACE --per-step TRACED STEP
 
 --per-step: the traced step ran TRACED micro-batches (e2e_bench.py --accum), a real step runs
 STEP: each kind's seconds in a real step (the micro-batch program's kernels scaled by

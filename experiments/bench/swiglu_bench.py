@@ -3,7 +3,7 @@ two GEMMs writing bf16 products, silu(gate) * up fused after) against kdjax.kern
 (mlp_impl "pallas": one Mosaic GPU kernel, the gating in its epilogue), at teachers' and
 students' shapes, with tile variants of the kernel.
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python experiments/bench/swiglu_bench.py \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python -m experiments.bench.swiglu_bench \
         [--rows 32768] [--shapes llama-8b llama-3b qwen3-8b smollm2] [--results FILE]
 
 Inputs: random bf16 rows y [N, D] and weights [D, F] (scaled as initialised). Each way is
@@ -23,11 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import e2e_bench  # noqa: E402
-import gpu_watch  # noqa: E402
-from attention_bench import timed  # noqa: E402
+from experiments.bench import e2e_bench  # noqa: E402
+from experiments.bench import gpu_watch  # noqa: E402
+from experiments.bench.attention_bench import timed  # noqa: E402
 from kdjax.kernels import swiglu as swiglu_lib  # noqa: E402
 
 SHAPES = {  # name: (D, F)

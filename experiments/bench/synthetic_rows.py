@@ -9,7 +9,6 @@ import sysconfig
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from kdjax import cache  # noqa: E402
 from kdjax.data import packing  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The teacher's top-k of one chunk of logits, alone: where does the time go after the lm_head?
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python experiments/bench/topk_bench.py \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python -m experiments.bench.topk_bench \
         [--rows 4096 --width 4096 --vocab 128256 201088] [--results experiments/results/topk.jsonl]
 
 One chunk as kdjax.teacher.topk_logprobs computes it: float32 logits [N, V] from bf16 hidden
@@ -26,10 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import e2e_bench  # noqa: E402
-from attention_bench import timed  # noqa: E402
+from experiments.bench import e2e_bench  # noqa: E402
+from experiments.bench.attention_bench import timed  # noqa: E402
 from kdjax import teacher  # noqa: E402
 
 K = 100

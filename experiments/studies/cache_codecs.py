@@ -1,8 +1,8 @@
 """The zstd level and shuffle of each top-k array of a layout: bytes per position against the time
 the writer's compression takes.
 
-    python experiments/studies/cache_codecs.py --cache /tmp/ctx/real/cache.zarr --rows 256 --join 8
-    python experiments/studies/cache_codecs.py --synthetic-vocab 128256 --rows 16 --seq-len 2048
+    python -m experiments.studies.cache_codecs --cache /tmp/ctx/real/cache.zarr --rows 256 --join 8
+    python -m experiments.studies.cache_codecs --synthetic-vocab 128256 --rows 16 --seq-len 2048
 
 The teacher's rows as in cache_compact.py (a float32 cache, optionally in joined rows, or its
 synthetic teacher). Each array is encoded once as `--layout` stores it (layout.encode_topk, and
@@ -20,12 +20,11 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # siblings; kdjax
 
 import numpy as np  # noqa: E402
 
-import cache_compact  # noqa: E402
-import cache_floor  # noqa: E402
+from experiments.studies import cache_compact  # noqa: E402
+from experiments.studies import cache_floor  # noqa: E402
 from kdjax.cache import layout  # noqa: E402
 
 # (shuffle, clevel) choices tried for each array: the stores' settings before and after, and

@@ -1,7 +1,7 @@
 """Bytes per position and loss/gradient accuracy of top-k encodings, on a float32 teacher cache.
 
-    python experiments/studies/cache_compact.py --cache runs/demo/cache/train.zarr --rows 256
-    python experiments/studies/cache_compact.py --synthetic-vocab 201088 --rows 16 --seq-len 512 \
+    python -m experiments.studies.cache_compact --cache runs/demo/cache/train.zarr --rows 256
+    python -m experiments.studies.cache_compact --synthetic-vocab 201088 --rows 16 --seq-len 512 \
         --loss-positions 1024
 
 Reads `--rows` rows of a float32 cache (real teacher outputs, e.g. the demo's, or SmolLM2's from

@@ -1,8 +1,8 @@
 """Top-k ids coded against context a reader has for free: per-context candidate lists (issue 29).
 
-    python experiments/studies/cache_context.py --cache /tmp/ctx/real/cache.zarr --allow-partial \
+    python -m experiments.studies.cache_context --cache /tmp/ctx/real/cache.zarr --allow-partial \
         --rows 176
-    python experiments/studies/cache_context.py --synthetic-vocab 201088 --rows 32 --seq-len 512
+    python -m experiments.studies.cache_context --synthetic-vocab 201088 --rows 32 --seq-len 512
 
 cache_floor.py coded each position's ids on their own. Every cache row also stores its tokens, so a
 reader knows a position's input token (and its neighbours) before it decodes the ids. Here each id
@@ -42,11 +42,10 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # cache_floor; kdjax
 
 import numpy as np  # noqa: E402
 
-import cache_floor  # noqa: E402
+from experiments.studies import cache_floor  # noqa: E402
 from kdjax.cache import layout  # noqa: E402
 
 CONTEXT_CHUNK = 256  # contexts per chunk of the stored table

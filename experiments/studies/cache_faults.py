@@ -1,7 +1,7 @@
 """Fault injection on teacher caches: is each fault detected, what does it cost, is the repaired
 cache byte-identical to one written without faults?
 
-    JAX_PLATFORMS=cpu python experiments/studies/cache_faults.py [--trials 40] [--seed 0] \
+    JAX_PLATFORMS=cpu python -m experiments.studies.cache_faults [--trials 40] [--seed 0] \
         [--layouts compact,packed]
 
 Per layout: writes a small data store and a reference cache with a stand-in teacher (two matrices: a

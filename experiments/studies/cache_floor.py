@@ -1,8 +1,8 @@
 """How small can a top-k cache be? Entropy floors and measured codings of its ids and log-probs.
 
-    python experiments/studies/cache_floor.py --cache /tmp/cb/real/cache.zarr --allow-partial \
+    python -m experiments.studies.cache_floor --cache /tmp/cb/real/cache.zarr --allow-partial \
         --rows 176
-    python experiments/studies/cache_floor.py --synthetic-vocab 201088 --rows 32 --seq-len 512 \
+    python -m experiments.studies.cache_floor --synthetic-vocab 201088 --rows 32 --seq-len 512 \
         --loss-positions 1024
 
 Rows as experiments/studies/cache_compact.py reads or makes them (a float32 cache, or its
@@ -42,14 +42,13 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT]  # cache_compact; kdjax
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorstore as ts  # noqa: E402
 from scipy.special import gammaln  # noqa: E402
 
-import cache_compact  # noqa: E402
+from experiments.studies import cache_compact  # noqa: E402
 from kdjax.cache import layout  # noqa: E402
 
 QUANTISERS = ((11, 0, False), (12, 9, False), (12, 7, False), (12, 7, True), (12, 5, False),

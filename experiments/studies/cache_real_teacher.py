@@ -1,6 +1,6 @@
 """A float32 top-k cache of a real pretrained teacher on real text, on CPU, for cache_compact.py.
 
-    JAX_PLATFORMS=cpu python experiments/studies/cache_real_teacher.py \
+    JAX_PLATFORMS=cpu python -m experiments.studies.cache_real_teacher \
         --hf ~/.cache/kdjax/smollm2/hf --out /tmp/real_cache --max-bytes 1000000
 
 Tokenises the Python standard library (sources.documents("stdlib"), capped at --max-bytes of

@@ -8,7 +8,6 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)  # kdjax, configs
 from configs import demo  # noqa: E402
 from kdjax import pipeline  # noqa: E402
 

@@ -1,7 +1,7 @@
 """How many documents do packed rows hold, and what does that cost cuDNN's packed attention?
 
-    JAX_PLATFORMS=cpu python experiments/studies/documents_per_row.py --store DATA_STORE
-    JAX_PLATFORMS=cpu python experiments/studies/documents_per_row.py --stdlib --seq-len 8192 32768
+    JAX_PLATFORMS=cpu python -m experiments.studies.documents_per_row --store DATA_STORE
+    JAX_PLATFORMS=cpu python -m experiments.studies.documents_per_row --stdlib --seq-len 8192 32768
 
 A run gives every step one documents bound M, its whole cache's (kdjax.models.attention.
 store_documents_bound: the next power of two above the most documents any row holds), and cuDNN's
@@ -24,9 +24,7 @@ import sys
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "experiments", "bench"))
-from synthetic_rows import stdlib_rows  # noqa: E402
+from experiments.bench.synthetic_rows import stdlib_rows  # noqa: E402
 from kdjax import cache  # noqa: E402
 from kdjax.models import attention, documents  # noqa: E402
 

@@ -1,6 +1,6 @@
 """How close the student gets to its teacher, by objective and k, against online full-vocabulary KL.
 
-    python experiments/studies/fidelity.py [--seeds 0,1,2] [--ks 1,8,32,100] [--out runs/fidelity]
+    python -m experiments.studies.fidelity [--seeds 0,1,2] [--ks 1,8,32,100] [--out runs/fidelity]
         [--results experiments/results/fidelity.jsonl] [--variant smoke|large]
 
 On the demo (configs/demo.py; `--variant smoke` for its tiny CPU-test shapes, `--variant large`
@@ -38,11 +38,8 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # demo_ab
-                os.path.join(ROOT, "experiments", "bench"),  # e2e_bench
-                ROOT]  # kdjax, configs
-import demo_ab  # noqa: E402
-import e2e_bench  # noqa: E402
+from experiments.studies import demo_ab  # noqa: E402
+from experiments.bench import e2e_bench  # noqa: E402
 from kdjax import build, cache, evaluate, pipeline  # noqa: E402
 from kdjax.loss import objectives  # noqa: E402
 

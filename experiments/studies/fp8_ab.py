@@ -9,7 +9,7 @@ what FP8's rounding costs. The seed changes model init and data order; the sprea
 is the yardstick. The demo's student is small (d_model 96): each dot sums fewer products, so its
 rounding averages out less than a 3B student's would.
 
-    python experiments/studies/fp8_ab.py [--seeds 0,1,2] [--out runs/fp8_ab] \
+    python -m experiments.studies.fp8_ab [--seeds 0,1,2] [--out runs/fp8_ab] \
         [--results experiments/results/fp8_ab.jsonl] [--arms bf16,fp8] [--gradients e5m2]
 
 --gradients e4m3: the FP8 arm's incoming gradients in e4m3 (more precision, less range) instead
@@ -27,10 +27,8 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),  # demo_ab
-                os.path.join(ROOT, "experiments", "bench")]  # e2e_bench
-import demo_ab  # noqa: E402
-import e2e_bench  # noqa: E402
+from experiments.studies import demo_ab  # noqa: E402
+from experiments.bench import e2e_bench  # noqa: E402
 from kdjax.models import fp8  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "experiments", "results", "fp8_ab.jsonl")

@@ -1,7 +1,7 @@
 """XLA's memory plan of the student's training step for one H200, made on a machine without a GPU.
 
     KDJAX_EXTRAS=gpu bash launch/setup.sh     # JAX's CUDA plugin: XLA's GPU compiler, no GPU used
-    .venv/bin/python experiments/studies/plan_on_cpu.py --config configs/128k.py --docs 16 \
+    .venv/bin/python -m experiments.studies.plan_on_cpu --config configs/128k.py --docs 16 \
         --policies full,attention,names
 
 For each remat policy, the micro-batch program (`train.grad_step`, the program remat "auto"
@@ -51,10 +51,9 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.join(ROOT, "experiments", "bench"), ROOT]
-from e2e_bench import commit, load_config, today  # noqa: E402
-from hlo_kernels import exact_fusion_bytes, kernels  # noqa: E402
-from synthetic_rows import docs_arg, synthetic_cache  # noqa: E402
+from experiments.bench.e2e_bench import commit, load_config, today  # noqa: E402
+from experiments.bench.hlo_kernels import exact_fusion_bytes, kernels  # noqa: E402
+from experiments.bench.synthetic_rows import docs_arg, synthetic_cache  # noqa: E402
 from kdjax import build  # noqa: E402
 from kdjax.training import remat_auto, train  # noqa: E402
 from kdjax.loss import LossSettings  # noqa: E402

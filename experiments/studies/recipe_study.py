@@ -2,8 +2,8 @@
 pruned 35M student (configs/smollm2.py), every arm with the same tuning budget.
 
     python -m kdjax.smollm2 --out runs/smollm2                  # teacher checkpoint + corpora
-    python experiments/studies/recipe_study.py --root runs/smollm2 --processes 4   # resumable
-    python experiments/studies/recipe_study.py --table          # table and plot from the results
+    python -m experiments.studies.recipe_study --root runs/smollm2 --processes 4   # resumable
+    python -m experiments.studies.recipe_study --table          # table and plot from the results
 
 Phases, scheduled by what is finished (arms of one phase run side by side in N processes):
   screen  12.6M tokens: hard labels, `tail` KL at k = 100 alone and mixed with hard-label CE
@@ -38,8 +38,9 @@ import jax
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.join(REPO, "experiments", "studies"), REPO]
-import smollm2_study as base  # noqa: E402
+if not __package__:  # run as a script: python experiments/studies/recipe_study.py (recipe_device.sh)
+  sys.path.insert(0, REPO)
+from experiments.studies import smollm2_study as base  # noqa: E402
 from kdjax import build, cache, completion, evaluate, pipeline  # noqa: E402
 from kdjax.workdir import Paths  # noqa: E402
 
@@ -313,7 +314,7 @@ def main():
     LRS, OBJECTIVES = LRS[:1], (OBJECTIVES[0], OBJECTIVES[-1])
     COMPLETION_PROMPTS = 4
   if args.table:
-    import recipe_report
+    from experiments.studies import recipe_report
     recipe_report.report(list(base.read_results(args.results).values()), args.results,
                          args.root)
     return

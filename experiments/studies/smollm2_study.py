@@ -2,10 +2,10 @@
 35M student (configs/smollm2.py), every objective against hard labels and online distillation.
 
     python -m kdjax.smollm2 --out runs/smollm2     # teacher checkpoint + corpora, once
-    python experiments/studies/smollm2_study.py --root runs/smollm2 [--processes 3]  # resumable
-    python experiments/studies/smollm2_study.py --root runs/smollm2 --perplexity  # transformers'
-    python experiments/studies/smollm2_study.py --table   # the table and plot from the results
-    python experiments/studies/smollm2_study.py --root runs/smollm2 --fp8  # FP8 A/B (below)
+    python -m experiments.studies.smollm2_study --root runs/smollm2 [--processes 3]  # resumable
+    python -m experiments.studies.smollm2_study --root runs/smollm2 --perplexity  # transformers'
+    python -m experiments.studies.smollm2_study --table   # the table and plot from the results
+    python -m experiments.studies.smollm2_study --root runs/smollm2 --fp8  # FP8 A/B (below)
 
 Arms, each in its own workdir under ROOT/study/ on one shared data store and one cache (the
 teacher's top-100 and its final hidden states through a fixed projection to 144 columns; arms
@@ -39,9 +39,7 @@ import jax
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path[:0] = [os.path.join(REPO, "experiments", "bench"),  # e2e_bench
-                REPO]  # kdjax, configs
-import e2e_bench  # noqa: E402
+from experiments.bench import e2e_bench  # noqa: E402
 from configs import smollm2  # noqa: E402
 from kdjax import build, cache, evaluate, pipeline  # noqa: E402
 from kdjax.models import fp8  # noqa: E402
@@ -146,7 +144,7 @@ def claim(prep, a: dict, token: str) -> bool:
     return False
 
 
-def launch(args, script: str = __file__) -> int:
+def launch(args, script: str | None = None) -> int:
   """--processes N: N processes of `script` share the arms (and the GPU: each takes memory as it
   needs, at most 1/N of it); SIGTERM to this one is passed on, so each saves its step."""
   argv, skip = [], False
@@ -159,7 +157,8 @@ def launch(args, script: str = __file__) -> int:
   token = f"{os.getpid()}-{time.time():.0f}"
   # Sessions of their own: a signal to this process group (timeout, Ctrl-C) reaches them once,
   # through the handler below, never twice (a second one would interrupt their checkpoint).
-  children = [subprocess.Popen([sys.executable, script, *argv, "--claim", token], env=env,
+  command = [script] if script else ["-m", __spec__.name]  # this module, or a script of its arms
+  children = [subprocess.Popen([sys.executable, *command, *argv, "--claim", token], env=env,
                                start_new_session=True)
               for _ in range(args.processes)]
   for sig in (signal.SIGTERM, signal.SIGINT):
@@ -327,7 +326,7 @@ def main():
   prep = prep_config(args.root, args.variant)
   if args.processes > 1 and not args.perplexity:
     # This process stays off the GPU: a process of its own prepares, then N share the arms.
-    rc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--processes=1",
+    rc = subprocess.run([sys.executable, "-m", __spec__.name, *sys.argv[1:], "--processes=1",
                          "--prepare-only"]).returncode
     sys.exit(rc or launch(args))
   pipeline.run(prep)

@@ -1,12 +1,12 @@
 """The fastest a student step can be on one GPU, from measured kernel rates: a floor.
 
-    python experiments/studies/step_floor.py [--config configs/128k.py --docs 16 \
+    python -m experiments.studies.step_floor [--config configs/128k.py --docs 16 \
         --run 128k-full-profile] [--gemm-tflops 790 --hbm-tbps 4.8] [--target-tokens-per-s 18000]
-    python experiments/studies/step_floor.py --config configs/8k.py --docs 4 --run 8k \
+    python -m experiments.studies.step_floor --config configs/8k.py --docs 4 --run 8k \
         --target-tokens-per-s 30840
-    python experiments/studies/step_floor.py --config configs/32k.py --docs 8 --run 32k \
+    python -m experiments.studies.step_floor --config configs/32k.py --docs 8 --run 32k \
         --target-tokens-per-s 26000
-    python experiments/studies/step_floor.py --config configs/8k.py --docs 4 --run 8k \
+    python -m experiments.studies.step_floor --config configs/8k.py --docs 4 --run 8k \
         --target-tokens-per-s 30840 \
         --gpu-hlo experiments/results/plans/h100_8k_2rows_none_grad_step_hlo.txt.gz
 
@@ -47,9 +47,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "experiments", "bench"))
-import e2e_bench  # noqa: E402
+from experiments.bench import e2e_bench  # noqa: E402
 from kdjax import build  # noqa: E402
 from kdjax.models import llama, remat  # noqa: E402
 
@@ -120,8 +118,8 @@ def gpu_fusion_gb(path, rows, seq_len):
   micro-batch program (its optimised HLO text, .txt or .txt.gz), counting only those whose bytes
   are exact (hlo_kernels.exact_fusion_bytes: a lower bound). The program must be of the measured
   run's micro-batch: its tokens s32[rows, seq_len]."""
-  import hlo_kernels
-  import profile_fusions
+  from experiments.bench import hlo_kernels
+  from experiments.bench import profile_fusions
   hlo = profile_fusions.read_text(path)
   if f"s32[{rows},{seq_len}]" not in hlo:
     sys.exit(f"{path} holds no s32[{rows},{seq_len}] array: not the program of the measured "
@@ -220,7 +218,7 @@ def main():
           "attention_fwd_s": fwd_s, "attention_fwd_bwd_s": fwd_bwd_s,
           "commit": e2e_bench.commit(), "date": e2e_bench.today(),
           "device": "computed on a CPU from the H200's measured lines",
-          "command": " ".join(["python experiments/studies/step_floor.py", *sys.argv[1:]])},
+          "command": " ".join(["python -m experiments.studies.step_floor", *sys.argv[1:]])},
           args.results)
     print(f"  floor, {label}:")
     print("    " + " + ".join(f"{k} {v:.2f}" for k, v in parts.items())
