@@ -6,9 +6,10 @@
 Needs: one H200, a gpt-oss-120b checkpoint (MXFP4 experts; they stay packed on the GPU and are
 dequantised one layer at a time) and a jsonl/parquet dataset; configs/gpt_oss.py:20b takes
 gpt-oss-20b. The teacher writes its top-100 (dictionary layout) once, 64K tokens per call; the
-student has gpt-oss-20b's layer shapes (32 experts, top-4, V = 201,088) with STUDENT_LAYERS layers, float32
-parameters and AdamW, and trains at 32K with the fused loss. Its attention is plain causal (no
-sinks, no sliding window); both models' attention runs on cuDNN, the teacher's sinks and sliding
+student has gpt-oss-20b's layer shapes (32 experts, top-4, V = 201,088) with STUDENT_LAYERS
+layers, float32 parameters and AdamW, and trains at 32K with the fused loss. Its attention is
+plain causal (no sinks, no sliding window); both models' attention runs on cuDNN, the teacher's
+sinks and sliding
 windows included (kdjax/models/attention.py).
 With STUDENT_LAYERS = 8 the student's step needs more than the default share of the GPU (0.92):
 this config lets JAX take 0.95 (mesh.memory_fraction; BENCHMARKS.md, MoE: its peak).

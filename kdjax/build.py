@@ -19,9 +19,9 @@ import ml_collections
 from flax import nnx
 
 from kdjax import cache, parallel
-from kdjax.training import checkpoints
 from kdjax.errors import UserError
 from kdjax.models import llama, prune
+from kdjax.training import checkpoints
 from kdjax.workdir import Paths
 
 

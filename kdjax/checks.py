@@ -4,8 +4,8 @@ mistake costs seconds rather than a teacher pass."""
 import os
 
 from kdjax import tokenizer
-from kdjax.errors import UserError
 from kdjax.data import sources
+from kdjax.errors import UserError
 from kdjax.models import prune
 from kdjax.models.llama import ModelConfig
 from kdjax.workdir import Paths

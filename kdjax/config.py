@@ -10,8 +10,14 @@ import re
 
 import ml_collections
 
-from kdjax.choices import DTYPES, LAYOUTS, LOSS_IMPLS as IMPLS, LOSS_MASKS, TEACHER_DEVICES
-from kdjax.choices import OBJECTIVES as CACHED_OBJECTIVES
+from kdjax.choices import (
+  DTYPES,
+  LAYOUTS,
+  LOSS_IMPLS as IMPLS,
+  LOSS_MASKS,
+  OBJECTIVES as CACHED_OBJECTIVES,
+  TEACHER_DEVICES,
+)
 from kdjax.errors import UserError
 
 # The choices are kdjax.choices' (imported above), except those of the training code:
@@ -164,7 +170,8 @@ def base() -> ml_collections.ConfigDict:
   # "auto" (pallas on GPU, xla on CPU), "xla", "pallas", "pallas_exact", "paper", "reference"
   c.loss.impl = "auto"
   c.loss.chunk_size = 0  # positions per loss chunk (bounds the [C, V] working set); 0: automatic
-  c.loss.dw_dtype = "float32"  # lm_head gradient accumulated across chunks in: "float32", "bfloat16"
+  # The lm_head gradient is accumulated across chunks in: "float32", "bfloat16".
+  c.loss.dw_dtype = "float32"
   # Log the student's top-1 agreement and entropy per step, from the loss's own pass (one more
   # row reduction in its kernel; not with impl "paper", whose algorithm has none).
   c.loss.position_metrics = True

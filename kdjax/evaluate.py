@@ -21,9 +21,9 @@ from flax import nnx
 from tqdm import tqdm
 
 from kdjax import plots
+from kdjax.data.packing import next_token_labels, pad_rows
 from kdjax.loss import full_kl, topk_kl
 from kdjax.models import documents
-from kdjax.data.packing import next_token_labels, pad_rows
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "chunk_size", "max_documents"))
@@ -160,5 +160,6 @@ def print_report(results: dict):
   if "baseline" in results and "student" in results:
     d = results["baseline"]["ce"] - results["student"]["ce"]
     lines.append(f"held-out CE: distilled {results['student']['ce']:.4f} vs hard labels "
-                 f"{results['baseline']['ce']:.4f} ({'distillation better' if d > 0 else 'hard labels better'} by {abs(d):.4f})")
+                 f"{results['baseline']['ce']:.4f} "
+                 f"({'distillation better' if d > 0 else 'hard labels better'} by {abs(d):.4f})")
   logging.info("\n".join(lines))

@@ -1,4 +1,5 @@
-"""Runs a config's stages in order; each stage skips work whose output already exists and is complete.
+"""Runs a config's stages in order; each stage skips work whose output already exists and is
+complete.
 
 Outputs under the workdir:
   config.json                 the resolved config of the latest run
@@ -20,8 +21,7 @@ import time
 import jax
 import ml_collections
 
-from kdjax import (build, cache, checks, config, data, evaluate, parallel, peers, teacher,
-                   tokenizer)
+from kdjax import build, cache, checks, config, data, evaluate, parallel, peers, teacher, tokenizer
 from kdjax.cache import identity
 from kdjax.errors import UserError
 from kdjax.models import documents

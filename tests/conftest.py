@@ -30,8 +30,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from kdjax import cache, teacher  # noqa: E402
-from tests.fixtures.stand_in import StandIn  # noqa: E402
 from tests.fixtures.shared import shared  # noqa: E402
+from tests.fixtures.stand_in import StandIn  # noqa: E402
 from tests.fixtures.stores import store_files  # noqa: E402
 
 # --- Seeds -------------------------------------------------------------------------------------

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from kdjax.models import attention, documents
-from tests.fixtures.cudnn_on_cpu import (  # noqa: F401 (fixtures)
-    cudnn_calls_for_cuda, cudnn_lowers_on_cpu, cudnn_on_cpu)
+from tests.fixtures.cudnn_on_cpu import cudnn_calls_for_cuda, cudnn_lowers_on_cpu, cudnn_on_cpu  # noqa: F401 (fixtures)
 
 
 def attention_reference(q, k, v, seg, sinks=None, window=0):

@@ -144,6 +144,7 @@ def test_kept_attention_backward_under_remat(policy, rng, monkeypatch):
   backward (no second forward): a bf16 model's loss and gradients match the einsum attention's
   under remat "none", 5 documents (a bound of 8: empty spans) in 4 cuDNN calls a layer."""
   from flax import nnx
+
   from kdjax.models import llama
   monkeypatch.setattr(attention, "WORKSPACE_POSITIONS", 1)  # 2 documents a call
   t = 2048

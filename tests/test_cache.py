@@ -8,8 +8,7 @@ import pytest
 import tensorstore as ts
 
 from kdjax import cache
-from kdjax.cache import layout
-from kdjax.cache import store as store_lib
+from kdjax.cache import layout, store as store_lib
 
 V, T, K = 300, 8, 5  # conftest's make_rows and new_store: vocabulary, positions, top-k
 OLD_CACHES = os.path.join(os.path.dirname(__file__), "fixtures", "old_caches")
@@ -274,8 +273,8 @@ def test_bad_values_are_refused_at_write(tmp_path, name, value, match, make_rows
 
 def test_nan_on_disk_is_refused_at_read(tmp_path, make_rows, new_store):
   new_store(tmp_path / "s").write(0, make_rows(np.random.default_rng(6), 10))
-  arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file",
-                                                "path": str(tmp_path / "s" / "topk_logprobs")}}).result()
+  kvstore = {"driver": "file", "path": str(tmp_path / "s" / "topk_logprobs")}
+  arr = ts.open({"driver": "zarr3", "kvstore": kvstore}).result()
   arr[5, 1, 0].write(np.nan).result()
   store = cache.open(tmp_path / "s")
   store.read([0, 1])

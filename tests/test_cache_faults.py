@@ -14,8 +14,7 @@ import pytest
 import tensorstore as ts
 
 from kdjax import cache
-from kdjax.cache import __main__ as cli
-from kdjax.cache import attributes
+from kdjax.cache import __main__ as cli, attributes
 from tests.fixtures import failpoints
 
 V = 300  # the vocabulary of conftest's make_rows and new_store

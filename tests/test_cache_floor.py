@@ -10,8 +10,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADINGS = {"cache_floor": ("### Log-prob quantisers", "### Ids", "### Floors", "positions/s"),
-            "cache_context": ("### Ids against per-context lists", "| teacher | input token | 256 |",
-                              "positions/s")}
+            "cache_context": ("### Ids against per-context lists",
+                              "| teacher | input token | 256 |", "positions/s")}
 
 
 def run(study, *args):

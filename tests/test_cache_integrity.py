@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 from kdjax import cache
-from kdjax.cache import __main__ as cli
-from kdjax.cache import integrity
+from kdjax.cache import __main__ as cli, integrity
 
 
 def flip_byte(path, offset):

@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from ml_collections import config_flags
 from absl import flags
+from ml_collections import config_flags
 
 from kdjax import config
 

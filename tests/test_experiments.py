@@ -187,8 +187,9 @@ def test_profile_fusions_joins_a_trace_with_its_hlo(tmp_path):
   gpu = {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}}
   event = lambda op, module, dur: {"ph": "X", "pid": 7, "name": op, "ts": 0, "dur": dur,
                                    "args": {"hlo_op": op, "hlo_module": module}}
-  trace = {"traceEvents": [gpu, event("f", "jit_grad_step", 5e-4), event("f", "jit_grad_step", 5e-4),
-                           event("g", "jit_grad_step", 2.0), event("f", "jit_apply_step", 9.0)]}
+  trace = {"traceEvents": [gpu, event("f", "jit_grad_step", 5e-4),
+                           event("f", "jit_grad_step", 5e-4), event("g", "jit_grad_step", 2.0),
+                           event("f", "jit_apply_step", 9.0)]}
   with gzip.open(tmp_path / "perfetto_trace.json.gz", "wt") as f:
     json.dump(trace, f)
   (tmp_path / "hlo.txt").write_text(HLO)
@@ -294,8 +295,8 @@ def test_documents_per_row_windows():
 def test_pipeline_bench_smoke(tmp_path):
   """The documented CPU check: every stage on the smoke config, a 2048-entry tokenizer."""
   out = tmp_path / "pipeline.jsonl"
-  proc = run(["-m", "experiments.bench.pipeline_bench", "--config", "configs/8k.py:smoke", "--small",
-              "--work", str(tmp_path / "work"), "--out", str(out)], timeout=600)
+  proc = run(["-m", "experiments.bench.pipeline_bench", "--config", "configs/8k.py:smoke",
+              "--small", "--work", str(tmp_path / "work"), "--out", str(out)], timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(out.read_text().splitlines()[-1])
   assert list(result["stages"]) == ["data", "cache", "train", "eval", "export"]
@@ -323,8 +324,8 @@ def test_fidelity_smoke(tmp_path):
   objective, online, and the best objective's temperature-2, CE-mix and hidden-state arms, as
   JSON lines."""
   out = tmp_path / "fidelity.jsonl"
-  proc = run(["-m", "experiments.studies.fidelity", "--variant", "smoke", "--seeds", "0", "--ks", "4",
-              "--out", str(tmp_path / "runs"), "--results", str(out)], timeout=900)
+  proc = run(["-m", "experiments.studies.fidelity", "--variant", "smoke", "--seeds", "0",
+              "--ks", "4", "--out", str(tmp_path / "runs"), "--results", str(out)], timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = [json.loads(line) for line in out.read_text().splitlines()]
   assert [r["objective"] for r in lines[:4]] == ["sparse", "tail", "renorm", "online"]

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from tests.fixtures.stores import store_files
 from kdjax import cache, parallel, peers
+from tests.fixtures.stores import store_files
 
 # one xdist worker runs the module: its module fixtures' runs are made once, not once a worker
 pytestmark = pytest.mark.xdist_group("test_failures")

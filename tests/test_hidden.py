@@ -7,11 +7,10 @@ import pytest
 from flax import nnx
 
 from kdjax import cache, config, teacher
-from kdjax.training import train
 from kdjax.cache import layout
-from kdjax.data.packing import next_token_labels
 from kdjax.loss import LossSettings, hidden
 from kdjax.models import llama
+from kdjax.training import train
 
 V, T = 61, 12  # conftest's make_data
 TEACHER_D = 16

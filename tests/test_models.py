@@ -13,8 +13,7 @@ from flax import nnx
 from kdjax import config
 from kdjax.models import attention, llama, remat, rope
 from kdjax.models.llama import ModelConfig, Transformer
-from tests.fixtures.cudnn_on_cpu import (  # noqa: F401 (fixtures)
-    cudnn_calls_for_cuda, cudnn_lowers_on_cpu, cudnn_on_cpu)
+from tests.fixtures.cudnn_on_cpu import cudnn_calls_for_cuda, cudnn_lowers_on_cpu, cudnn_on_cpu  # noqa: F401 (fixtures)
 
 B, T = 2, 12
 

@@ -2,7 +2,6 @@
 and experts; model invariants (causality, packing) with experts, sinks and windows."""
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -1,5 +1,6 @@
 """MXFP4 experts: the decoder against the format's definition; a packed gpt-oss checkpoint gives
-the logits of its dequantised float version, and transformers' own MXFP4 decoder and layout agree."""
+the logits of its dequantised float version, and transformers' own MXFP4 decoder and layout
+agree."""
 import dataclasses
 
 import jax.numpy as jnp
@@ -32,7 +33,8 @@ def e2m1_reference(code: int) -> float:
 def dequantize_reference(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
   """float64 [..., Z * 32]: element 2i of a block is byte i's low nibble, 2i + 1 its high one."""
   values = np.vectorize(e2m1_reference)(np.stack([blocks & 0xF, blocks >> 4], axis=-1))
-  values = values.reshape(*blocks.shape[:-1], 32) * 2.0 ** (scales.astype(np.float64) - 127)[..., None]
+  scale = 2.0 ** (scales.astype(np.float64) - 127)
+  values = values.reshape(*blocks.shape[:-1], 32) * scale[..., None]
   return values.reshape(*blocks.shape[:-2], -1)
 
 

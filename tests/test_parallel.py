@@ -30,8 +30,8 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from kdjax import cache, config, parallel, teacher  # noqa: E402
-from kdjax.training import train  # noqa: E402
 from kdjax.models import llama  # noqa: E402
+from kdjax.training import train  # noqa: E402
 from tests.fixtures.mesh_steps import CFG, grad_step_differences, mesh_of, random_rows  # noqa: E402
 from tests.fixtures.stores import store_files  # noqa: E402
 
@@ -49,6 +49,7 @@ def vocab_sharded_differences() -> dict:
   chunks of 32, K = 10, a mask, labels. far: the first shard's logits ~200 nats above the rest,
   so the other shards' softmax terms underflow against it (the row-scale floor)."""
   from jax.sharding import Mesh, PartitionSpec as P
+
   from kdjax.loss import topk_kl
   mesh = Mesh(np.asarray(jax.devices()[:4]), ("tensor",))
   out = {}

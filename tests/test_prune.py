@@ -184,6 +184,7 @@ def test_demo_student_pruned_from_the_pretrained_teacher_starts_far_better(tmp_p
   import os
   import subprocess
   import sys
+
   from kdjax import cache, evaluate
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   workdir = tmp_path / "w"

@@ -6,9 +6,9 @@ import pytest
 from flax import nnx
 
 from kdjax import config
-from kdjax.training import reporting, train
 from kdjax.models import llama
 from kdjax.plots import read_metrics
+from kdjax.training import reporting, train
 from tests.fixtures.train_run import T, make_cache, opt_group, tiny_model_cfg
 
 

@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 
 from kdjax import cache
-from kdjax.training import checkpoints, train
 from kdjax.models import llama
 from kdjax.plots import read_metrics
+from kdjax.training import checkpoints, train
 from tests.fixtures.train_run import fit, make_cache, opt_group, params_of, tiny_model_cfg
 
 
@@ -105,7 +105,7 @@ def test_nan_after_a_checkpoint_keeps_that_checkpoint_and_writes_none(tmp_path, 
   monkeypatch.setattr(train, "train_step", poisoned_at_3)
   with pytest.raises(FloatingPointError, match="resumes from step 2"):
     fit(tmp_path, store, opt=opt_group(steps=6, ckpt_every=2, log_every=1))
-  assert checkpoints.Checkpoints(str(tmp_path / "run" / "ckpt"), tiny_model_cfg()).latest_step() == 2
+  assert checkpoints.Checkpoints(str(tmp_path / "run" / "ckpt"), tiny_model_cfg()).latest_step() == 2  # noqa: E501
 
 
 def test_metrics_are_exact_across_interruptions(tmp_path, monkeypatch, rng):
@@ -151,5 +151,5 @@ def test_a_damaged_row_stops_training_after_saving(tmp_path, monkeypatch, rng):
   monkeypatch.setattr(cache.Loader, "__next__", damaged_at_4)
   with pytest.raises(cache.CacheError, match="row 9"):
     fit(tmp_path, store, opt=opt_group(steps=6, ckpt_every=5, log_every=1))
-  assert checkpoints.Checkpoints(str(tmp_path / "run" / "ckpt"), tiny_model_cfg()).latest_step() == 3
+  assert checkpoints.Checkpoints(str(tmp_path / "run" / "ckpt"), tiny_model_cfg()).latest_step() == 3  # noqa: E501
   assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]

@@ -14,10 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kdjax.smollm2 import corpus as smollm2_corpus
-from kdjax.smollm2 import prepare as smollm2
 from kdjax import tokenizer as kd_tokenizer
 from kdjax.models import hf
+from kdjax.smollm2 import corpus as smollm2_corpus, prepare as smollm2
 
 SMOLLM2_CACHE = Path(os.environ.get("KDJAX_SMOLLM2_CACHE", "~/.cache/kdjax/smollm2")).expanduser()
 

@@ -174,7 +174,8 @@ def test_default_chunk_grows_with_memory():
   assert small % 128 == 0 and large % 128 == 0 and 6 * small * 131072 <= 2**30
   assert small < large <= chunked.MAX_CHUNK
   assert chunked.default_chunk(5, 16, 300, jnp.float32) == 5
-  assert chunked.default_chunk(4096, 64, 8 * 2**20, jnp.bfloat16) == 128  # a huge vocabulary: one tile
+  # a huge vocabulary: one tile
+  assert chunked.default_chunk(4096, 64, 8 * 2**20, jnp.bfloat16) == 128
 
 
 def test_default_chunk_reads_max_chunk_when_called(monkeypatch):

@@ -11,16 +11,25 @@ import pytest
 from flax import nnx
 
 from kdjax import cache, config
-from kdjax.training import remat_auto, train
+from kdjax.data.packing import next_token_labels
 from kdjax.errors import UserError
 from kdjax.loss import LossSettings
-from kdjax.models import remat
-from kdjax.data.packing import next_token_labels
-from kdjax.models import llama
+from kdjax.models import llama, remat
 from kdjax.plots import read_metrics
 from kdjax.teacher import OnlineTargets
-from tests.fixtures.train_run import (K, S, T, V, compiled, fit, make_cache, opt_group,
-                                      params_of, tiny_model_cfg)
+from kdjax.training import remat_auto, train
+from tests.fixtures.train_run import (
+  K,
+  S,
+  T,
+  V,
+  compiled,
+  fit,
+  make_cache,
+  opt_group,
+  params_of,
+  tiny_model_cfg,
+)
 
 
 def test_distillation_loss_falls_and_logs(tmp_path, rng):

@@ -13,11 +13,10 @@ Makes the demo's data, teacher and cache first (OUT/demo, the demo's own stages;
 present; a few minutes on a CPU). Writes OUT/results.json and prints the held-out KL and CE.
 """
 import os
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.studies import demo_ab  # noqa: E402
+from experiments.studies import demo_ab
 
 CHUNK = 12
 

@@ -11,15 +11,14 @@ student (configs/demo.py, bf16 matmuls) both ways, impl "xla" with that recovery
 """
 import contextlib
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.studies import demo_ab  # noqa: E402
-from kdjax.loss import chunked, objectives  # noqa: E402
+from experiments.studies import demo_ab
+from kdjax.loss import chunked, objectives
 
 
 def from_e(chunk_terms):

@@ -25,7 +25,6 @@ from_e - exact per seed, and the spread between seeds.
 """
 import json
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +32,11 @@ import numpy as np
 from flax import nnx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.studies import demo_ab  # noqa: E402
-from experiments.archive import topk_from_e_ab  # noqa: E402
-from kdjax import cache, evaluate, pipeline  # noqa: E402
-from kdjax.models import hf  # noqa: E402
-from kdjax.workdir import Paths  # noqa: E402
+from experiments.archive import topk_from_e_ab
+from experiments.studies import demo_ab
+from kdjax import cache, evaluate, pipeline
+from kdjax.models import hf
+from kdjax.workdir import Paths
 
 ARMS = ("exact", "from_e")
 METRICS = ("kl", "full_kl", "top1_agreement", "ce")

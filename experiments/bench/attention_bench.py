@@ -31,10 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.bench import e2e_bench  # noqa: E402
-from experiments.bench.synthetic_rows import packed_segments  # noqa: E402
-from kdjax.models import attention as attn  # noqa: E402
-from kdjax.models import documents  # noqa: E402
+from experiments.bench import e2e_bench
+from experiments.bench.synthetic_rows import packed_segments
+from kdjax.models import attention as attn, documents
 
 H, G, E = 24, 8, 128
 WARMUP, REPEATS = 2, 5

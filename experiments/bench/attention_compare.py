@@ -12,19 +12,16 @@ where the machine has no git history. One JSON line per timing on stdout and in 
 """
 import argparse
 import importlib.util
-import os
 import subprocess
-import sys
 import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.bench import attention_bench  # noqa: E402
-from experiments.bench import e2e_bench  # noqa: E402
-from experiments.bench.synthetic_rows import packed_segments  # noqa: E402
-from kdjax.models import documents  # noqa: E402
+from experiments.bench import attention_bench, e2e_bench
+from experiments.bench.synthetic_rows import packed_segments
+from kdjax.models import documents
 
 PATH = "kdjax/models/attention.py"
 

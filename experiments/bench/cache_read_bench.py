@@ -23,8 +23,7 @@ import time
 import numpy as np
 
 from kdjax import cache
-from kdjax.cache import layout
-from kdjax.cache import store as store_lib
+from kdjax.cache import layout, store as store_lib
 
 
 def synthetic_rows(rng, n, seq_len, k, vocab):

@@ -25,8 +25,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.bench import cache_read_bench  # noqa: E402  (this folder: disk_bytes)
-from kdjax import cache  # noqa: E402
+from experiments.bench import cache_read_bench  # this folder: disk_bytes
+from kdjax import cache
 
 
 def main():

@@ -52,12 +52,11 @@ import numpy as np
 from flax import nnx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.bench import e2e_sweep  # noqa: E402
-from experiments.bench import gpu_watch  # noqa: E402
-from experiments.bench.synthetic_rows import docs_arg, packed_segments, synthetic_cache  # noqa: E402
-from kdjax import build, cache, config, parallel, teacher  # noqa: E402
-from kdjax.training import reporting, train  # noqa: E402
-from kdjax.models import documents, fp8, llama  # noqa: E402
+from experiments.bench import e2e_sweep, gpu_watch
+from experiments.bench.synthetic_rows import docs_arg, packed_segments, synthetic_cache
+from kdjax import build, cache, config, parallel, teacher
+from kdjax.models import documents, fp8, llama
+from kdjax.training import reporting, train
 
 RESULTS = os.path.join(ROOT, "experiments", "results", "e2e.jsonl")
 ALONE_BATCHES = 8  # the teacher step alone: batches timed

@@ -14,7 +14,6 @@ the float32 product, whether the compiled program called cuBLASLt's FP8 GEMM
 """
 import argparse
 import os
-import sys
 import time
 
 import jax
@@ -22,10 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.bench import e2e_bench  # noqa: E402
-from experiments.bench import gpu_watch  # noqa: E402
-from experiments.bench.attention_bench import timed  # noqa: E402
-from kdjax.models import fp8  # noqa: E402
+from experiments.bench import e2e_bench, gpu_watch
+from experiments.bench.attention_bench import timed
+from kdjax.models import fp8
 
 SHAPES = {  # name: (K, N), the 3B student's (configs/8k.py) projections
     "qkv": (3072, 5120),   # q, k and v side by side (24 + 8 + 8 heads of 128)

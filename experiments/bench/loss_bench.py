@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from experiments.bench import loss_bench_report  # noqa: E402
+from experiments.bench import loss_bench_report
 
 SHAPES = {"A": (4096, 131072), "B": (2880, 201088), "S": (64, 1003)}  # S: CPU smoke test
 K = 100
@@ -92,6 +92,7 @@ def loss_step(impl, chunk, dw_dtype=None, per_position=False):
   """jit(value_and_grad) of the loss in hidden and lm_head; arguments (h, w, ids, logp, mask).
   per_position: the loss also returns its per-position terms (an aux output)."""
   import jax
+
   from kdjax.loss import topk_kl
   return jax.jit(jax.value_and_grad(
       lambda h, w, ids, logp, mask: topk_kl.topk_kl_loss(
@@ -239,6 +240,7 @@ def check(shapes="AB", tokens=4000):
   """Max relative errors of the fused impls (bf16 inputs) vs the reference on f32 inputs."""
   import jax
   import jax.numpy as jnp
+
   from kdjax.loss import topk_kl
   first, last = shapes[0], shapes[-1]
   cases = [(first, "sparse", 1.0, 0.0), (first, "tail", 1.0, 0.0), (first, "renorm", 1.0, 0.0),
@@ -282,6 +284,7 @@ def dwcheck(specs):
   against float32 accumulation (one rounding at the end), same inputs, default chunks."""
   import jax
   import jax.numpy as jnp
+
   from kdjax.loss import topk_kl
   for spec in specs.split(","):
     shape, tokens = spec.split(":")
@@ -309,6 +312,7 @@ def dwcheck(specs):
 def profile(spec, out_dir, steps=3):
   """Device time per kernel name (ms per step) of one config, from a jax.profiler trace."""
   import glob
+
   import jax
   shape, tokens, impl, options, chunk = parse_spec(spec)
   inputs = jax_inputs(shape, tokens)[:5]

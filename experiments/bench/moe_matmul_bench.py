@@ -19,7 +19,6 @@ width, F expert width.
 import argparse
 import json
 import os
-import sys
 import time
 
 import jax
@@ -27,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.bench import e2e_bench  # noqa: E402
-from kdjax.kernels import grouped  # noqa: E402
+from experiments.bench import e2e_bench
+from kdjax.kernels import grouped
 
 RESULTS = os.path.join(ROOT, "experiments", "results", "moe_matmul.jsonl")
 # name -> (X experts, U per token, D, F): gate/up (F = 2 x 2880, interleaved) and down projections

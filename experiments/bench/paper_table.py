@@ -38,12 +38,11 @@ import numpy as np
 from flax import nnx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.bench import e2e_bench  # noqa: E402
-from experiments.bench import synthetic_rows  # noqa: E402
-from kdjax import build  # noqa: E402
-from kdjax.training import train  # noqa: E402
-from kdjax.loss import LossSettings  # noqa: E402
-from kdjax.models import documents, llama  # noqa: E402
+from experiments.bench import e2e_bench, synthetic_rows
+from kdjax import build
+from kdjax.loss import LossSettings
+from kdjax.models import documents, llama
+from kdjax.training import train
 
 METHODS = ("online", "dense", "chunked", "ours")
 RESULTS = os.path.join(ROOT, "experiments", "results", "paper_table.jsonl")

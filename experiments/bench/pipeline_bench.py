@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.bench import e2e_bench  # noqa: E402
+from experiments.bench import e2e_bench
 
 RESULTS = os.path.join(ROOT, "experiments", "results", "pipeline.jsonl")
 WORDS = 128000
@@ -75,6 +75,7 @@ def write_chat(path: str, rng, tokens: int, words: int):
 def write_teacher(c, directory: str, tokenizer_dir: str):
   """Random weights of the config's teacher shapes, exported as a Hugging Face checkpoint."""
   from flax import nnx
+
   from kdjax import build
   from kdjax.models import hf, llama
   cfg = build.model_config(c.teacher, 0 if c.teacher.vocab_size else 128256)

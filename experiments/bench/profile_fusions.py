@@ -17,12 +17,9 @@ by the rate band they run in: where time goes to slow kernels rather than to byt
 import argparse
 import collections
 import gzip
-import os
 import re
-import sys
 
-from experiments.bench import hlo_kernels  # noqa: E402
-from experiments.bench import profile_summary  # noqa: E402
+from experiments.bench import hlo_kernels, profile_summary
 
 
 def op_times(trace_path: str, module: str = "grad_step") -> dict:

@@ -15,7 +15,6 @@ two matmuls, 4 N D F. One line per (shape, way) with the GPU's clocks over its t
 import argparse
 import dataclasses
 import os
-import sys
 import time
 
 import jax
@@ -23,10 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.bench import e2e_bench  # noqa: E402
-from experiments.bench import gpu_watch  # noqa: E402
-from experiments.bench.attention_bench import timed  # noqa: E402
-from kdjax.kernels import swiglu as swiglu_lib  # noqa: E402
+from experiments.bench import e2e_bench, gpu_watch
+from experiments.bench.attention_bench import timed
+from kdjax.kernels import swiglu as swiglu_lib
 
 SHAPES = {  # name: (D, F)
     "llama-8b": (4096, 14336),   # the 8B teacher (configs/8k.py, 32k.py)

@@ -4,13 +4,12 @@ asked) of random tokens and entries over them (experiments/bench/e2e_bench.py, a
 experiments/studies/documents_per_row.py)."""
 import glob
 import os
-import sys
 import sysconfig
 
 import numpy as np
 
-from kdjax import cache  # noqa: E402
-from kdjax.data import packing  # noqa: E402
+from kdjax import cache
+from kdjax.data import packing
 
 STDLIB_BYTES_PER_TOKEN = 3.5
 

@@ -19,16 +19,15 @@ Every way is checked against lax's values and ids before it is timed.
 """
 import argparse
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.bench import e2e_bench  # noqa: E402
-from experiments.bench.attention_bench import timed  # noqa: E402
-from kdjax import teacher  # noqa: E402
+from experiments.bench import e2e_bench
+from experiments.bench.attention_bench import timed
+from kdjax import teacher
 
 K = 100
 

@@ -15,17 +15,14 @@ indexes included) and the best of three writes in ns per position on that thread
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
 
-from experiments.studies import cache_compact  # noqa: E402
-from experiments.studies import cache_floor  # noqa: E402
-from kdjax.cache import layout  # noqa: E402
+from experiments.studies import cache_compact, cache_floor
+from kdjax.cache import layout
 
 # (shuffle, clevel) choices tried for each array: the stores' settings before and after, and
 # their neighbours.

@@ -35,8 +35,7 @@ import numpy as np
 import tensorstore as ts
 
 from kdjax import cache
-from kdjax.cache import layout
-from kdjax.cache import recode
+from kdjax.cache import layout, recode
 from kdjax.loss import topk_kl
 
 OBJECTIVES = ("sparse", "tail", "renorm")

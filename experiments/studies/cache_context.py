@@ -37,16 +37,15 @@ list length, V vocabulary.
 """
 import os
 import shutil
-import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from experiments.studies import cache_floor  # noqa: E402
-from kdjax.cache import layout  # noqa: E402
+from experiments.studies import cache_floor
+from kdjax.cache import layout
 
 CONTEXT_CHUNK = 256  # contexts per chunk of the stored table
 

@@ -40,8 +40,7 @@ import tempfile
 import numpy as np
 
 from kdjax import cache, teacher
-from kdjax.cache import __main__ as cli
-from kdjax.cache import attributes
+from kdjax.cache import __main__ as cli, attributes
 from tests.fixtures import failpoints
 from tests.fixtures.stand_in import StandIn  # its defaults: V = 64, D = 16
 

@@ -37,19 +37,18 @@ Letters: S rows, T positions, K top-k entries, N positions of any shape.
 import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorstore as ts  # noqa: E402
-from scipy.special import gammaln  # noqa: E402
+import jax.numpy as jnp
+import numpy as np
+import tensorstore as ts
+from scipy.special import gammaln
 
-from experiments.studies import cache_compact  # noqa: E402
-from kdjax.cache import layout  # noqa: E402
+from experiments.studies import cache_compact
+from kdjax.cache import layout
 
 QUANTISERS = ((11, 0, False), (12, 9, False), (12, 7, False), (12, 7, True), (12, 5, False),
               (12, 5, True), (12, 3, False), (12, 3, True))  # (-log2 s, -log2 p0 (0: compact), diffuse)

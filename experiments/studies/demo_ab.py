@@ -5,11 +5,10 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configs import demo  # noqa: E402
-from kdjax import pipeline  # noqa: E402
+from configs import demo
+from kdjax import pipeline
 
 
 def parse_args(doc: str, out: str, add_arguments=lambda parser: None) -> argparse.Namespace:

@@ -24,9 +24,9 @@ import sys
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.bench.synthetic_rows import stdlib_rows  # noqa: E402
-from kdjax import cache  # noqa: E402
-from kdjax.models import attention, documents  # noqa: E402
+from experiments.bench.synthetic_rows import stdlib_rows
+from kdjax import cache
+from kdjax.models import attention, documents
 
 
 def windows_plan(segment_ids_NxT: np.ndarray) -> dict:

@@ -32,16 +32,15 @@ On one GPU the tiny students leave it mostly idle: `--prepare-only` once, then N
 import argparse
 import json
 import os
-import sys
 import time
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.studies import demo_ab  # noqa: E402
-from experiments.bench import e2e_bench  # noqa: E402
-from kdjax import build, cache, evaluate, pipeline  # noqa: E402
-from kdjax.loss import objectives  # noqa: E402
+from experiments.bench import e2e_bench
+from experiments.studies import demo_ab
+from kdjax import build, cache, evaluate, pipeline
+from kdjax.loss import objectives
 
 RESULTS = os.path.join(ROOT, "experiments", "results", "fidelity.jsonl")
 METRICS = ("full_kl", "top1", "ce", "ece")

@@ -24,12 +24,11 @@ line per arm and seed (with commit and date) to --results.
 import contextlib
 import functools
 import os
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.studies import demo_ab  # noqa: E402
-from experiments.bench import e2e_bench  # noqa: E402
-from kdjax.models import fp8  # noqa: E402
+from experiments.bench import e2e_bench
+from experiments.studies import demo_ab
+from kdjax.models import fp8
 
 RESULTS = os.path.join(ROOT, "experiments", "results", "fp8_ab.jsonl")
 

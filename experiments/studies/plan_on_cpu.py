@@ -44,20 +44,20 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.experimental import topologies  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.bench.e2e_bench import commit, load_config, today  # noqa: E402
-from experiments.bench.hlo_kernels import exact_fusion_bytes, kernels  # noqa: E402
-from experiments.bench.synthetic_rows import docs_arg, synthetic_cache  # noqa: E402
-from kdjax import build  # noqa: E402
-from kdjax.training import remat_auto, train  # noqa: E402
-from kdjax.loss import LossSettings  # noqa: E402
-from kdjax.models import documents, fp8, llama, remat  # noqa: E402
+from experiments.bench.e2e_bench import commit, load_config, today
+from experiments.bench.hlo_kernels import exact_fusion_bytes, kernels
+from experiments.bench.synthetic_rows import docs_arg, synthetic_cache
+from kdjax import build
+from kdjax.loss import LossSettings
+from kdjax.models import documents, fp8, llama, remat
+from kdjax.training import remat_auto, train
 
 RESULTS = os.path.join(ROOT, "experiments", "results", "plans.jsonl")
 GIB = 2**30
@@ -90,6 +90,7 @@ def as_gpu_program():
   their kernel sizes), and JAX's cuDNN checks answered as on a Hopper GPU with cuDNN 9.10. Only
   tracing and compiling follow; nothing runs."""
   from jax._src.cudnn import fused_attention_stablehlo as cudnn_sdpa
+
   from kdjax.kernels import mosaic
   jax.default_backend = lambda: "gpu"
   cudnn_sdpa.check_compute_capability = lambda capability: True

@@ -40,9 +40,9 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if not __package__:  # run as a script: python experiments/studies/recipe_study.py (recipe_device.sh)
   sys.path.insert(0, REPO)
-from experiments.studies import smollm2_study as base  # noqa: E402
-from kdjax import build, cache, completion, evaluate, pipeline  # noqa: E402
-from kdjax.workdir import Paths  # noqa: E402
+from experiments.studies import smollm2_study as base
+from kdjax import build, cache, completion, evaluate, pipeline
+from kdjax.workdir import Paths
 
 RESULTS = os.path.join(REPO, "experiments", "results", "recipe.jsonl")
 LRS = (1e-3, 3e-3, 3e-4)  # the order they run in

@@ -39,11 +39,11 @@ import jax
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.bench import e2e_bench  # noqa: E402
-from configs import smollm2  # noqa: E402
-from kdjax import build, cache, evaluate, pipeline  # noqa: E402
-from kdjax.models import fp8  # noqa: E402
-from kdjax.workdir import Paths  # noqa: E402
+from configs import smollm2
+from experiments.bench import e2e_bench
+from kdjax import build, cache, evaluate, pipeline
+from kdjax.models import fp8
+from kdjax.workdir import Paths
 
 RESULTS = os.path.join(REPO, "experiments", "results", "smollm2.jsonl")
 FP8_RESULTS = os.path.join(REPO, "experiments", "results", "smollm2_fp8.jsonl")

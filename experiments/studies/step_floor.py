@@ -47,9 +47,9 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.bench import e2e_bench  # noqa: E402
-from kdjax import build  # noqa: E402
-from kdjax.models import llama, remat  # noqa: E402
+from experiments.bench import e2e_bench
+from kdjax import build
+from kdjax.models import llama, remat
 
 RESULTS = os.path.join(ROOT, "experiments", "results")
 # The H200's memory as JAX counts it: its bytes_limit was 127.9 GiB at a memory fraction of 0.92
@@ -118,8 +118,7 @@ def gpu_fusion_gb(path, rows, seq_len):
   micro-batch program (its optimised HLO text, .txt or .txt.gz), counting only those whose bytes
   are exact (hlo_kernels.exact_fusion_bytes: a lower bound). The program must be of the measured
   run's micro-batch: its tokens s32[rows, seq_len]."""
-  from experiments.bench import hlo_kernels
-  from experiments.bench import profile_fusions
+  from experiments.bench import hlo_kernels, profile_fusions
   hlo = profile_fusions.read_text(path)
   if f"s32[{rows},{seq_len}]" not in hlo:
     sys.exit(f"{path} holds no s32[{rows},{seq_len}] array: not the program of the measured "

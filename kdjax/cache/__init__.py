@@ -13,8 +13,8 @@ writes it again in another layout. Crash safety: store.py; create() and
 open(): opening.py; attributes and their checksum: attributes.py; the points where tests inject
 faults: events.py.
 """
-from kdjax.cache.loader import Loader
 from kdjax.cache.errors import CacheError
+from kdjax.cache.loader import Loader
 from kdjax.cache.opening import create, open
 from kdjax.cache.store import Store
 

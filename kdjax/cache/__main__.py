@@ -19,9 +19,7 @@ import os
 import sys
 
 from kdjax import cache
-from kdjax.cache import integrity
-from kdjax.cache import layout
-from kdjax.cache import recode
+from kdjax.cache import integrity, layout, recode
 
 
 def _size(n):
@@ -46,8 +44,8 @@ def info(store):
   rows = sum(stop - start for start, stop in map(store.region_bounds, done))
   positions = max(rows * store.seq_len, 1)
   print(f"{store.path}")
-  print(f"  {store.num_seqs} rows x {store.seq_len} positions, k={store.k}, vocab {store.vocab_size}, "
-        f"layout {store.layout}, format v{store.attrs['format_version']}")
+  print(f"  {store.num_seqs} rows x {store.seq_len} positions, k={store.k}, "
+        f"vocab {store.vocab_size}, layout {store.layout}, format v{store.attrs['format_version']}")
   print(f"  {len(done)} of {store.num_regions} regions of {store.region_rows} rows complete "
         f"({rows} rows, {100 * rows / store.num_seqs:.1f}%)")
   sizes = array_bytes(store)
@@ -97,7 +95,8 @@ def main(argv=None):
   parser.add_argument("path")
   parser.add_argument("new_path", nargs="?", help="recode: where the new store is written")
   parser.add_argument("--quick", action="store_true", help="verify: skip decoding every row")
-  parser.add_argument("--fix", action="store_true", help="verify: mark damaged regions for rewriting")
+  parser.add_argument("--fix", action="store_true",
+                      help="verify: mark damaged regions for rewriting")
   parser.add_argument("--layout", choices=layout.LAYOUTS, default="dictionary",
                       help="recode: the new store's layout")
   args = parser.parse_args(argv)

@@ -86,8 +86,8 @@ def check(path, attrs, manifest_attrs):
   written = manifest_attrs.get(COPY)
   kept = (f" (manifest/zarr.json keeps them as written, under \"{COPY}\")"
           if written is not None else "")
-  undo = (f"Nothing was read or changed. Undo the edit{kept}, or delete {path} and re-run the stage "
-          f"that writes it.")
+  undo = (f"Nothing was read or changed. Undo the edit{kept}, or delete {path} and re-run the "
+          f"stage that writes it.")
   if CHECKSUM in attrs or written is not None:
     if attrs.get(CHECKSUM) != checksum(attrs):
       intact = isinstance(written, dict) and written.get(CHECKSUM) == checksum(written)

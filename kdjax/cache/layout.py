@@ -3,8 +3,8 @@
 Every array is a zarr v3 array sharded along rows: one shard file per region of `region_rows` rows
 (the unit of crash safety, see store.py), one inner chunk per row so a random row read decodes only
 that row. Inner chunks and shard indexes carry a crc32c codec, so a flipped byte fails to decode.
-Only standard zarr v3 codecs are used (sharding_indexed, bytes, blosc, crc32c): plain tensorstore and
-zarr-python read every array.
+Only standard zarr v3 codecs are used (sharding_indexed, bytes, blosc, crc32c): plain tensorstore
+and zarr-python read every array.
 
 Layouts of the top-k arrays (S rows, T positions, K entries, H hidden width):
   float32: topk_ids int32, topk_logprobs float32 -- the reference, 8 bytes per entry before zstd.
@@ -47,7 +47,8 @@ from kdjax import choices
 
 FORMAT_VERSION = 1
 LAYOUTS = choices.LAYOUTS
-TOKEN_ARRAYS = {"tokens": "int32", "segment_ids": "int32", "positions": "int32", "loss_mask": "bool"}
+TOKEN_ARRAYS = {"tokens": "int32", "segment_ids": "int32", "positions": "int32",
+                "loss_mask": "bool"}
 TOPK_ARRAYS = ("topk_ids", "topk_logprobs")
 HIDDEN_ARRAY = "hidden"
 ORDER_ARRAY = "topk_order"  # dictionary: each row's id order [S, M]
@@ -111,7 +112,8 @@ def array_metadata(name, shape, dtype, region_rows, layout="float32"):
 def zarr_metadata(shape, dtype, region_rows, *, shuffle=None, clevel=5):
   """zarr v3 metadata: one shard per region of rows, one inner chunk per row.
 
-  shuffle: blosc's "shuffle" (bytes), "bitshuffle" or "noshuffle"; default bytes for multi-byte types.
+  shuffle: blosc's "shuffle" (bytes), "bitshuffle" or "noshuffle"; default bytes for multi-byte
+  types.
   """
   itemsize = np.dtype(dtype).itemsize
   inner = [{"name": "bytes", "configuration": {"endian": "little"} if itemsize > 1 else {}}]
@@ -124,7 +126,8 @@ def zarr_metadata(shape, dtype, region_rows, *, shuffle=None, clevel=5):
   return {
       "shape": list(shape),
       "data_type": dtype,
-      "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [region_rows, *shape[1:]]}},
+      "chunk_grid": {"name": "regular",
+                     "configuration": {"chunk_shape": [region_rows, *shape[1:]]}},
       "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
       "codecs": [{"name": "sharding_indexed", "configuration": {
           "chunk_shape": [1, *shape[1:]], "codecs": inner, "index_codecs": index_codecs,

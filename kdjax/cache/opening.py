@@ -8,10 +8,7 @@ is a CacheError that says what to do.
 import datetime
 import os
 
-from kdjax.cache import attributes
-from kdjax.cache import durable
-from kdjax.cache import integrity
-from kdjax.cache import layout as layout_lib
+from kdjax.cache import attributes, durable, integrity, layout as layout_lib
 from kdjax.cache.errors import CacheError
 from kdjax.cache.store import Store
 
@@ -62,7 +59,8 @@ def _write_group(path, attrs):
   os.makedirs(path, exist_ok=True)
   try:
     durable.write_json(os.path.join(path, "zarr.json"),
-                       {"zarr_format": 3, "node_type": "group", "attributes": attrs}, exclusive=True)
+                       {"zarr_format": 3, "node_type": "group", "attributes": attrs},
+                       exclusive=True)
   except FileExistsError:
     pass
 

@@ -1,4 +1,5 @@
-"""A sequence store on disk: a zarr v3 group of row-sharded arrays plus a manifest of finished regions.
+"""A sequence store on disk: a zarr v3 group of row-sharded arrays plus a manifest of finished
+regions.
 
 Crash safety. Rows are grouped into regions of `region_rows` rows, one shard file per array per
 region. A write (1) writes the region's shards through tensorstore, (2) fsyncs every shard file and
@@ -28,12 +29,7 @@ import zlib
 import numpy as np
 import tensorstore as ts
 
-from kdjax.cache import durable
-from kdjax.cache import events
-from kdjax.cache import integrity
-from kdjax.cache import layout as layout_lib
-from kdjax.cache import lock
-from kdjax.cache import values
+from kdjax.cache import durable, events, integrity, layout as layout_lib, lock, values
 from kdjax.cache.errors import CacheError
 
 # Threads that check and encode the rows of a write, shared by every store and writer thread.
@@ -82,9 +78,9 @@ class Store:
                                                  self.path))
     for name, arr in self._arrays.items():
       if tuple(arr.shape) != self.shape(name) or arr.dtype.name != self.dtypes[name]:
-        raise CacheError(f"{self.path}/{name} is {arr.dtype.name} {tuple(arr.shape)} but the store's "
-                         f"attributes say {self.dtypes[name]} {self.shape(name)}: the store is "
-                         f"damaged; delete it and rebuild.")
+        raise CacheError(f"{self.path}/{name} is {arr.dtype.name} {tuple(arr.shape)} but the "
+                         f"store's attributes say {self.dtypes[name]} {self.shape(name)}: the "
+                         f"store is damaged; delete it and rebuild.")
 
   def shape(self, name):
     if name == layout_lib.ORDER_ARRAY:

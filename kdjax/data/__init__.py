@@ -5,9 +5,9 @@
   packing.py   pack(token_docs, seq_len, bos_id=, eos_id=): greedy rows with segments
   stage.py     build(c.data, tok, ...): the stage; build_stores(...): its tokenise-pack-write core
 """
-from kdjax.data.stage import build, build_stores, tokenize
 from kdjax.data.packing import Packer, pack
 from kdjax.data.sources import DataError, Document, documents, stdlib_files
+from kdjax.data.stage import build, build_stores, tokenize
 
 __all__ = ["DataError", "Document", "Packer", "build", "build_stores", "documents", "pack",
            "stdlib_files", "tokenize"]

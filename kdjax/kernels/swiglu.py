@@ -35,8 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import custom_partitioning
-from jax.experimental import pallas as pl
+from jax.experimental import custom_partitioning, pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import NamedSharding, PartitionSpec as P
 

@@ -9,9 +9,9 @@ step, the paper's "online" method, or held-out evaluation against a teacher run 
 per position, averaged over the masked ones. Per chunk of C positions both [C, V] float32 logits
 exist, and the chunk is recomputed in the backward pass (jax.checkpoint), so memory holds a few
 [C, V] blocks (one chunk's) whatever the number of positions. Gradients flow to the student's
-hidden states and lm_head only. With per_position, also per position: top1 (the student's argmax is the
-teacher's), and with labels ce (-log q at tau 1 of the label), confidence (the student's largest
-probability at tau 1) and correct (its argmax is the label), from which calibration follows.
+hidden states and lm_head only. With per_position, also per position: top1 (the student's argmax
+is the teacher's), and with labels ce (-log q at tau 1 of the label), confidence (the student's
+largest probability at tau 1) and correct (its argmax is the label), from which calibration follows.
 
 Shape letters: N positions, C chunk, D model width (the student's and the teacher's, each its
 own), V vocabulary.

@@ -22,13 +22,8 @@ import numpy as np
 from flax import nnx
 
 from kdjax import choices
-from kdjax.kernels import mosaic
-from kdjax.kernels import swiglu as swiglu_lib
-from kdjax.models import attention as attention_lib
-from kdjax.models import fp8
-from kdjax.models import moe
-from kdjax.models import remat as remat_lib
-from kdjax.models import rope
+from kdjax.kernels import mosaic, swiglu as swiglu_lib
+from kdjax.models import attention as attention_lib, fp8, moe, remat as remat_lib, rope
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 assert tuple(DTYPES) == choices.DTYPES, "kdjax.choices.DTYPES"

@@ -135,8 +135,8 @@ class MoE(nnx.Module):
     gate_up_XxFx2xD = gate_up_XxOxD.reshape(x, f2 // 2, 2, -1)  # rows: gate, up, gate, up, ...
     down_XxDxF = mxfp4.dequantize(self.down_blocks_XxOxZx16[...], self.down_scales_XxOxZ[...],
                                   dtype)
-    return (gate_up_XxFx2xD[:, :, 0].transpose(0, 2, 1), gate_up_XxFx2xD[:, :, 1].transpose(0, 2, 1),
-            down_XxDxF.transpose(0, 2, 1))
+    return (gate_up_XxFx2xD[:, :, 0].transpose(0, 2, 1),
+            gate_up_XxFx2xD[:, :, 1].transpose(0, 2, 1), down_XxDxF.transpose(0, 2, 1))
 
   def __call__(self, y_BxTxD: jax.Array) -> jax.Array:
     cfg = self.cfg

@@ -21,9 +21,7 @@ from flax import nnx
 
 from kdjax import parallel
 from kdjax.errors import UserError
-from kdjax.models import documents
-from kdjax.models import llama
-from kdjax.models import rope
+from kdjax.models import documents, llama, rope
 
 PRUNED = ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff")  # the dims a student chooses
 NUMERICS = ("dtype", "param_dtype", *llama.RUNTIME)  # and its own numerics

@@ -40,8 +40,8 @@ nothing without a backward pass and the least memory with one.
 """
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from kdjax import choices
 

