@@ -144,6 +144,8 @@ def prep_config(root: str, which: str, variant: str = ""):
   c = base.prep_config(root, variant)
   c.cache.update(hidden_states=False, hidden_dim=0)
   c.workdir = prep_dir(root, which)
+  if not variant:  # ~52M positions at seq_len 2048: enough for the finals' 50.1M tokens
+    c.data.max_bytes = 175_000_000
   if which == "sampled":
     c.data.source = os.path.join(root, SAMPLED, "train.jsonl")
     c.data.eval_source = os.path.join(root, SAMPLED, "eval.jsonl")
