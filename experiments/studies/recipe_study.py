@@ -7,8 +7,9 @@ pruned 35M student (configs/smollm2.py), every arm with the same tuning budget.
 
 Phases, scheduled by what is finished (arms of one phase run side by side in N processes):
   screen  12.6M tokens: hard labels, `tail` KL at k = 100 alone and mixed with hard-label CE
-          (loss.ce_weight 0.1, 0.3, 0.5), each at lr 3e-4, 1e-3 and 3e-3, seed 0; then seed 1
-          of each objective at the lr that was best for it on seed 0.
+          (loss.ce_weight 0.1, 0.3, 0.5), each at lr 1e-3 and 3e-3, seed 0; then seed 1 of
+          each objective at the lr that was best for it on seed 0. Each at lr 3e-4 too (seed 0),
+          run last of all and reported beside them (at 96 steps it is not expected to win).
   final   50M tokens, seeds 0 and 1: hard labels and the distilled objective with the lowest
           mean held-out CE over the screen's two seeds, each at its own best lr.
   control text sampled from the teacher itself (experiments/studies/sample_teacher.py): the
@@ -16,9 +17,9 @@ Phases, scheduled by what is finished (arms of one phase run side by side in N p
           fault. Hard labels vs `tail` alone, lr 1e-3, seeds 0 and 1, 16 rows a step.
   correct the teacher corrected first (stage pretrain from its checkpoint on the train split,
           CORRECTION below, one setting chosen before the study), its cache written, and the
-          final's distilled recipe trained on it at 50M, seeds 0 and 1; the student is pruned
-          from the original teacher, as in every other arm, so the final's hard-label arms are
-          its baseline.
+          final's distilled recipe trained on it at 12.6M, seeds 0 and 1, beside the screen's
+          arms of the same recipe; the student is pruned from the original teacher, as in every
+          other arm.
 Every arm shares the data store and the learning-rate schedule's shape (warmup a tenth of the
 steps at most 40, cosine to 10%), 64 rows x 2048 tokens a step. Each finished arm is measured
 on the held-out split (whole works and packages never trained on; --eval-rows rows) against the
@@ -45,11 +46,12 @@ from kdjax import build, cache, completion, evaluate, pipeline
 from kdjax.workdir import Paths
 
 RESULTS = os.path.join(REPO, "experiments", "results", "recipe.jsonl")
-LRS = (1e-3, 3e-3, 3e-4)  # the order they run in
+LRS = (1e-3, 3e-3)  # the screen's lrs the finalists are chosen from
+LAST_LRS = (3e-4,)  # screened too, last of all (seed 0), and reported beside them
 OBJECTIVES = (("hard", 0.0), ("tail", 0.0), ("tail", 0.1), ("tail", 0.3), ("tail", 0.5))
 SCREEN, FINAL, CONTROL = 12_582_912, 50_069_504, 4_000_000  # training tokens
 CONTROL_ROWS = 16  # rows a step on the sampled text (4M tokens: 122 steps)
-CORRECTION = dict(lr=3e-4, steps=80, warmup_steps=8)  # 10.5M tokens of the train split
+CORRECTION = dict(lr=3e-4, steps=40, warmup_steps=4)  # 5.2M tokens of the train split
 COMPLETION_PROMPTS = 1024  # next-line questions, from the first PROMPT_ROWS held-out rows
 PROMPT_ROWS = 256
 SAMPLED = "corpus_sampled"
@@ -76,7 +78,7 @@ def recipe(a: dict) -> tuple:
 def best_lr(lines: dict, r: tuple) -> float | None:
   """The screen's best lr for recipe r on seed 0 (lowest held-out CE), once all of LRS ran."""
   ces = {a["lr"]: a["ce"] for a in lines.values()
-         if a["phase"] == "screen" and a["seed"] == 0 and recipe(a) == r}
+         if a["phase"] == "screen" and a["seed"] == 0 and recipe(a) == r and a["lr"] in LRS}
   return min(ces, key=ces.get) if len(ces) == len(LRS) else None
 
 
@@ -120,10 +122,11 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
     hard_lr, (o, ce), lr = chosen
     todo += [arm("hard", 0.0, hard_lr, s, final_tokens, "final") for s in (0, 1)]
     todo += [arm(o, ce, lr, s, final_tokens, "final") for s in (0, 1)]
-    if correct and prep_done(root, "corrected"):
-      todo += [arm(o, ce, lr, s, final_tokens, "correct", teacher="corrected") for s in (0, 1)]
+    if correct and prep_done(root, "corrected"):  # beside the screen's arms of this recipe
+      todo += [arm(o, ce, lr, s, screen, "correct", teacher="corrected") for s in (0, 1)]
     elif correct:
       later = True
+  todo += [arm(o, ce, lr, 0, screen, "screen") for lr in LAST_LRS for o, ce in OBJECTIVES]
   return [a for a in todo if arm_name(a) not in lines], later
 
 
@@ -142,6 +145,8 @@ def prep_config(root: str, which: str, variant: str = ""):
   c = base.prep_config(root, variant)
   c.cache.update(hidden_states=False, hidden_dim=0)
   c.workdir = prep_dir(root, which)
+  if not variant:  # ~52M positions at seq_len 2048: enough for the finals' 50.1M tokens
+    c.data.max_bytes = 175_000_000
   if which == "sampled":
     c.data.source = os.path.join(root, SAMPLED, "train.jsonl")
     c.data.eval_source = os.path.join(root, SAMPLED, "eval.jsonl")
@@ -244,9 +249,10 @@ def worker(args):
   teacher = build.Models.from_config(orig).teacher_model()
   questions = completion_questions(args.root, args.variant)
   while True:
-    for which in ("corrected", "sampled"):  # long serial jobs first, when their inputs exist
-      ready = (args.correct if which == "corrected" else args.sample_tokens and os.path.exists(
-          os.path.join(args.root, SAMPLED, "eval.jsonl")))
+    for which in ("sampled", "corrected"):  # serial jobs, once their inputs exist
+      ready = (args.correct and finalists(base.read_results(args.results)) is not None
+               if which == "corrected" else args.sample_tokens and os.path.exists(
+                   os.path.join(args.root, SAMPLED, "eval.jsonl")))
       if ready and not prep_done(args.root, which) and claim(args, f"prep_{which}"):
         run_prep(args.root, which, args.variant, args.eval_rows)
     todo, later = schedule(base.read_results(args.results), args.root, args.scale,
@@ -310,8 +316,8 @@ def main():
   # Arms of one shape share compiled programs (seeds, and every arm's evaluation).
   jax.config.update("jax_compilation_cache_dir", os.path.join(args.root, "study", "jax_cache"))
   if args.variant == "smoke":  # CPU: one lr, two objectives, each phase's code run once
-    global LRS, OBJECTIVES, COMPLETION_PROMPTS
-    LRS, OBJECTIVES = LRS[:1], (OBJECTIVES[0], OBJECTIVES[-1])
+    global LRS, LAST_LRS, OBJECTIVES, COMPLETION_PROMPTS
+    LRS, LAST_LRS, OBJECTIVES = LRS[:1], (), (OBJECTIVES[0], OBJECTIVES[-1])
     COMPLETION_PROMPTS = 4
   if args.table:
     from experiments.studies import recipe_report

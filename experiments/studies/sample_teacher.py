@@ -16,9 +16,6 @@ import json
 import os
 import time
 
-import torch
-import transformers
-
 PROMPT_TOKENS = 8  # real tokens that start each sample; everything after is the teacher's
 
 
@@ -40,6 +37,7 @@ def prompts(path: str, tokenizer, count: int, skip: int) -> list[list[int]]:
 
 
 def sample(model, tokenizer, prompt_ids: list[list[int]], new_tokens: int) -> list[str]:
+  import torch
   ids = torch.tensor(prompt_ids, device=model.device)
   with torch.no_grad():
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
@@ -87,6 +85,8 @@ def main():
   parser.add_argument("--batch-size", type=int, default=1024)
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args()
+  import torch  # after the arguments: --help needs neither torch nor transformers
+  import transformers
   os.makedirs(args.out, exist_ok=True)
   torch.manual_seed(args.seed)
   device = "cuda" if torch.cuda.is_available() else "cpu"
