@@ -133,10 +133,11 @@ def stage_baseline(c, paths: Paths):
 
 def stage_eval(c, paths: Paths):
   """Every model of the run on the held-out split: against the teacher's cache, or with objective
-  "online" (no cache) against the teacher run beside each model, as in training."""
+  "online" and no cache of the held-out split against the teacher run beside each model, as in
+  training (a cache there, as a study's online arm may share, keeps every arm's measures alike)."""
   models = build.Models.from_config(c, paths)
   results = {}
-  online = c.loss.objective == "online"
+  online = c.loss.objective == "online" and not os.path.isdir(paths.cache("eval"))
   if online:
     eval_store = cache.open(paths.data("eval"))
     the_teacher = models.teacher_model()

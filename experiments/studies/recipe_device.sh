@@ -27,11 +27,11 @@ if [ ! -f /tmp/sm/hf/kdjax-smollm2.json ]; then
 fi
 left=$((limit - ($(date +%s) - start)))
 echo "study: $left s"
-timeout -k 40 -s TERM "$left" python3 experiments/studies/recipe_study.py --root /tmp/sm \
+timeout -k 40 -s TERM "$left" python3 -m experiments.studies.recipe_study --root /tmp/sm \
   --processes "${PROCESSES:-4}" --results /tmp/sm/recipe.jsonl >> /tmp/sm/study.log 2>&1
 echo "study exit $?"
 grep -E "^[a-z_]+.*: CE|Traceback|Error|error:" /tmp/sm/study.log | grep -v "^\s" | tail -40
-python3 experiments/studies/recipe_study.py --table --root /tmp/sm --results /tmp/sm/recipe.jsonl \
+python3 -m experiments.studies.recipe_study --table --root /tmp/sm --results /tmp/sm/recipe.jsonl \
   2>/dev/null | tail -40
 if [ -n "${OUT:-}" ]; then
   cp /tmp/sm/recipe.jsonl /tmp/sm/recipe.png "$OUT"/ 2>/dev/null

@@ -39,8 +39,6 @@ import jax
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if not __package__:  # run as a script: python experiments/studies/recipe_study.py (recipe_device.sh)
-  sys.path.insert(0, REPO)
 from experiments.studies import smollm2_study as base
 from kdjax import build, cache, completion, evaluate, pipeline
 from kdjax.workdir import Paths
@@ -329,7 +327,7 @@ def main():
     worker(args)
     return
   sampler = prepare(args)
-  rc = base.launch(args, script=os.path.abspath(__file__))
+  rc = base.launch(args, module=__spec__.name)
   if sampler is not None:
     sampler.wait()
   sys.exit(rc)

@@ -144,7 +144,7 @@ def claim(prep, a: dict, token: str) -> bool:
     return False
 
 
-def launch(args, script: str | None = None) -> int:
+def launch(args, module: str | None = None) -> int:
   """--processes N: N processes of `script` share the arms (and the GPU: each takes memory as it
   needs, at most 1/N of it); SIGTERM to this one is passed on, so each saves its step."""
   argv, skip = [], False
@@ -157,7 +157,7 @@ def launch(args, script: str | None = None) -> int:
   token = f"{os.getpid()}-{time.time():.0f}"
   # Sessions of their own: a signal to this process group (timeout, Ctrl-C) reaches them once,
   # through the handler below, never twice (a second one would interrupt their checkpoint).
-  command = [script] if script else ["-m", __spec__.name]  # this module, or a script of its arms
+  command = ["-m", module or __spec__.name]  # this module, or the study module of its arms
   children = [subprocess.Popen([sys.executable, *command, *argv, "--claim", token], env=env,
                                start_new_session=True)
               for _ in range(args.processes)]

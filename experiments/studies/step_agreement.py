@@ -1,8 +1,8 @@
 """Do kdjax's training steps on the real teacher agree with a plain torch reference?
 
-    .venv/bin/python experiments/studies/step_agreement.py --root runs/smollm2 --steps 8
+    .venv/bin/python -m experiments.studies.step_agreement --root runs/smollm2 --steps 8
 
-Needs `python -m kdjax.smollm2 --out ROOT` and the side venv (kdjax.side_venv); CPU, 2 cores:
+Needs `python -m kdjax.smollm2 --out ROOT` and the side venv (kdjax.smollm2.side_venv); CPU, 2 cores:
 ~13 min, ~6 min again (data and caches kept in ROOT/step_agreement_STEPS). On a slice of ROOT's
 corpus (configs/smollm2.py:smoke, stages data and cache) the pruned student is trained in float32
 by kdjax's Trainer and, in the side venv, by transformers' LlamaForCausalLM from the same weights
@@ -18,7 +18,6 @@ import datetime
 import json
 import os
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -187,8 +186,10 @@ def kdjax_side(c, work: str):
   import jax
   import jax.numpy as jnp
   from flax import nnx
-  from kdjax import build, cache, evaluate, pipeline, teacher, train
+
+  from kdjax import build, cache, evaluate, pipeline, teacher
   from kdjax.models import hf
+  from kdjax.training import train
   from kdjax.workdir import Paths
   pipeline.run(c)  # stages data and cache
   paths = Paths.from_config(c)
@@ -332,8 +333,7 @@ def main():
   if args.torch_side:
     return torch_side(args.torch_side)
   start, root = time.perf_counter(), os.path.abspath(args.root)
-  sys.path.insert(0, REPO)  # configs
-  from kdjax import side_venv
+  from kdjax.smollm2 import side_venv
   work = f"{root}/step_agreement_{args.steps}"  # the slice's size follows the steps
   c = make_config(root, work, args.steps)
   write_slice(root, work, chars=5 * args.steps * c.opt.batch_size * c.data.seq_len)
