@@ -48,32 +48,41 @@ def teachers(root: str) -> str:
   return "\n".join(out)
 
 
-def plot(lines: list[dict], png: str):
-  """Training CE over training tokens (lines) and held-out CE (dots) of the final arms."""
+def plot(lines: list[dict], png: str, root: str = ""):
+  """Training CE over training tokens (lines) and held-out CE (dots): the final arms, or before
+  they ran, the screen's seed 0 (one panel per lr). Each arm's metrics.jsonl is read under
+  ROOT/study/ (the study's --root) or, without a root, from the workdir its line names."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  final = [r for r in lines if r["phase"] in ("final", "correct")]
-  if not final:
+  shown = [r for r in lines if r["phase"] in ("final", "correct")] or [
+      r for r in lines if r["phase"] == "screen" and r["seed"] == 0]
+  if not shown:
     return
-  fig, ax = plt.subplots(figsize=(7, 4.5))
+  lrs = sorted({r["lr"] for r in shown}, reverse=True)
+  fig, axes = plt.subplots(1, len(lrs), figsize=(6 * len(lrs), 4.5), squeeze=False, sharey=True)
   colors = {}
-  for r in sorted(final, key=lambda r: (recipe_label(r), r["seed"])):
-    label = recipe_label(r)
-    color = colors.setdefault(label, f"C{len(colors)}")
-    metrics = os.path.join(r["workdir"], r["run"], "metrics.jsonl")
-    if os.path.exists(metrics):
-      with open(metrics) as f:
-        steps = [json.loads(x) for x in f]
-      per_step = r["train_tokens"] / r["steps"]
-      ax.plot([s["step"] * per_step / 1e6 for s in steps], [s["ce"] for s in steps],
-              color=color, ls=("-", ":")[r["seed"] % 2],
-              label=f"{label}, seed {r['seed']}")
-    ax.plot([r["train_tokens"] / 1e6], [r["ce"]], "o", color=color)
-  ax.set(xlabel="training tokens (M)", ylabel="CE on the true tokens (nats)",
-         title="pruned 35M student: training CE (lines), held-out CE (dots)")
-  ax.set_ylim(top=min(ax.get_ylim()[1], 5.0))
-  ax.legend(fontsize=7)
+  for ax, lr in zip(axes[0], lrs):
+    for r in sorted((r for r in shown if r["lr"] == lr), key=lambda r: (recipe_label(r),
+                                                                         r["seed"])):
+      label = recipe_label(r)
+      color = colors.setdefault(label, f"C{len(colors)}")
+      workdir = os.path.join(root, "study", r["arm"]) if root else r["workdir"]
+      metrics = os.path.join(workdir, r["run"], "metrics.jsonl")
+      if os.path.exists(metrics):
+        with open(metrics) as f:
+          steps = [json.loads(x) for x in f]
+        per_step = r["train_tokens"] / r["steps"]
+        ax.plot([s["step"] * per_step / 1e6 for s in steps], [s["ce"] for s in steps],
+                color=color, ls=("-", ":")[r["seed"] % 2], lw=1,
+                label=f"{label}, seed {r['seed']} (held out {r['ce']:.3f})")
+      ax.plot([r["train_tokens"] / 1e6], [r["ce"]], "o", color=color)
+    ax.set(xlabel="training tokens (M)", title=f"lr {lr:g}")
+    ax.set_ylim(2.5, 5.0)
+    ax.legend(fontsize=7)
+  axes[0][0].set_ylabel("CE on the true tokens (nats)")
+  fig.suptitle("SmolLM2-135M-Instruct -> pruned 35M student: training CE (lines), held-out CE "
+               "(dots)", fontsize=10)
   fig.tight_layout()
   fig.savefig(png, dpi=100)
 
@@ -82,4 +91,4 @@ def report(lines: list[dict], results: str, root: str = ""):
   print(table(lines))
   if root:
     print(teachers(root))
-  plot(lines, os.path.splitext(results)[0] + ".png")
+  plot(lines, os.path.splitext(results)[0] + ".png", root)
