@@ -1,6 +1,6 @@
 """Text sampled from the teacher itself: the control where the teacher's distribution IS the data.
 
-    python3 experiments/studies/sample_teacher.py --hf runs/smollm2/hf \
+    python3 -m experiments.studies.sample_teacher --hf runs/smollm2/hf \
         --prompts runs/smollm2/corpus/train.jsonl --out runs/smollm2/corpus_sampled \
         --train-tokens 4000000 --eval-tokens 300000
 
