@@ -46,13 +46,16 @@ def test_questions_end_lines_and_stay_in_their_document():
 
 
 def greedy_reference(model, tokens, positions) -> list[int]:
-  """The model's argmax token by token on a growing prompt, no padding, no jit."""
-  seq = list(tokens[:completion.PROMPT])
-  for _ in range(completion.MAX_TARGET):
-    n = len(seq)
-    hidden = model(jnp.asarray([seq]), jnp.asarray([positions[:n]]), jnp.ones((1, n), int))
-    seq.append(int(jnp.argmax(hidden[0, -1] @ model.lm_head_DxV())))
-  return seq[completion.PROMPT:]
+  """The model's argmax token by token, a plain loop over the whole window (causal: what follows
+  the last decoded token does not matter), no jit."""
+  window = np.array(tokens)
+  window[completion.PROMPT:] = 0
+  for i in range(completion.MAX_TARGET):
+    hidden = model(jnp.asarray(window[None]), jnp.asarray(positions[None]),
+                   jnp.ones((1, len(window)), int))
+    window[completion.PROMPT + i] = int(jnp.argmax(hidden[0, completion.PROMPT - 1 + i]
+                                                   @ model.lm_head_DxV()))
+  return list(window[completion.PROMPT:])
 
 
 def test_greedy_exact_match_agrees_with_a_plain_loop():
