@@ -72,21 +72,24 @@ def _meta(model_cfg: llama.ModelConfig) -> dict:
   return json.loads(json.dumps(dataclasses.asdict(model_cfg), default=dict))
 
 
-def has_checkpoint(workdir: str) -> bool:
-  """Whether a run in `workdir` has a checkpoint to resume from (orbax names each by its step;
+def saved_steps(workdir: str) -> list[int]:
+  """The steps of a run's finished checkpoints in `workdir` (orbax names each by its step;
   unfinished writes carry a suffix)."""
   directory = checkpoint_dir(workdir)
-  return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+  if not os.path.isdir(directory):
+    return []
+  return [int(name) for name in os.listdir(directory) if name.isdigit()]
+
+
+def has_checkpoint(workdir: str) -> bool:
+  """Whether a run in `workdir` has a checkpoint to resume from."""
+  return bool(saved_steps(workdir))
 
 
 def finished_step(workdir: str, steps: int) -> bool:
   """Whether a run in `workdir` has a checkpoint at step >= steps (restore_finished's test,
   without reading parameters)."""
-  directory = checkpoint_dir(workdir)
-  if not os.path.isdir(directory):
-    return False
-  steps_done = [int(name) for name in os.listdir(directory) if name.isdigit()]
-  return bool(steps_done) and max(steps_done) >= steps
+  return max(saved_steps(workdir), default=-1) >= steps
 
 
 def restore_finished(workdir: str, model_cfg: llama.ModelConfig, steps: int):
