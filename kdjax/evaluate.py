@@ -81,7 +81,7 @@ def evaluate(model: nnx.Module, store, *, batch_size: int, max_seqs: int, chunk_
 @functools.partial(jax.jit, static_argnames=("graphdef", "teacher_graphdef", "chunk_size",
                                              "max_documents"))
 def _online_sums(params, teacher_params, batch, *, graphdef, teacher_graphdef, chunk_size,
-                 max_documents):
+                 max_documents, split_k):
   inputs = (batch["tokens"], batch["positions"], batch["segment_ids"], max_documents)
   student, teacher = nnx.merge(graphdef, params), nnx.merge(teacher_graphdef, teacher_params)
   hidden_BxTxD, teacher_hidden_BxTxD = student(*inputs), teacher(*inputs)
@@ -89,20 +89,28 @@ def _online_sums(params, teacher_params, batch, *, graphdef, teacher_graphdef, c
   _, terms = full_kl.full_kl_loss(
       hidden_BxTxD, student.lm_head_DxV().astype(hidden_BxTxD.dtype), teacher_hidden_BxTxD,
       teacher.lm_head_DxV().astype(teacher_hidden_BxTxD.dtype), mask_BxT,
-      labels=batch["labels"], chunk_size=chunk_size, per_position=True)
+      labels=batch["labels"], chunk_size=chunk_size, per_position=True, teacher_label=True)
   total = lambda x: jnp.sum(jnp.where(mask_BxT, x.astype(jnp.float32), 0.0))
+  outside_BxT = terms["teacher_rank"] >= split_k  # the true token is not in the teacher's top k
   return ({"full_kl": total(terms["kl"]), "top1_agreement": total(terms["top1"]),
            "ce": total(terms["ce"]), "accuracy": total(terms["correct"]),
-           "positions": total(jnp.ones_like(terms["kl"]))},
+           "positions": total(jnp.ones_like(terms["kl"])),
+           "teacher_ce": total(terms["teacher_ce"]), "outside": total(outside_BxT),
+           "ce_outside": total(jnp.where(outside_BxT, terms["ce"], 0.0)),
+           "teacher_ce_outside": total(jnp.where(outside_BxT, terms["teacher_ce"], 0.0))},
           full_kl.calibration_sums(terms["confidence"], terms["correct"], mask_BxT))
 
 
 def evaluate_online(model: nnx.Module, teacher: nnx.Module, store, *, batch_size: int,
-                    max_seqs: int, chunk_size: int | None = None, desc: str = "eval") -> dict:
+                    max_seqs: int, chunk_size: int | None = None, desc: str = "eval",
+                    split_k: int = 100) -> dict:
   """Against the teacher run here, over the valid positions of the first `max_seqs` rows (0 =
   all) of a store (tokenised data or a cache): the full-vocabulary KL(teacher || student), top-1
   agreement, the student's CE on the true tokens, its next-token accuracy on them and its
-  expected calibration error (ECE)."""
+  expected calibration error (ECE); the teacher's CE on the same tokens; and the CE split by
+  whether the true token is among the teacher's `split_k` most likely (what a top-k cache
+  teaches): `outside_top_k` the share of positions where it is not, `ce_outside_top_k` /
+  `ce_inside_top_k` the student's CE there and here, `teacher_ce_outside_top_k` the teacher's."""
   graphdef, params = nnx.split(model)
   teacher_graphdef, teacher_params = nnx.split(teacher)
   params, teacher_params = committed(params), committed(teacher_params)
@@ -114,15 +122,20 @@ def evaluate_online(model: nnx.Module, teacher: nnx.Module, store, *, batch_size
                         ("tokens", "positions", "segment_ids", "loss_mask"))
     out, batch_bins = _online_sums(
         params, teacher_params, batch, graphdef=graphdef, teacher_graphdef=teacher_graphdef,
-        chunk_size=chunk_size, max_documents=bound)
+        chunk_size=chunk_size, max_documents=bound, split_k=split_k)
     for k, v in out.items():
       sums[k] = sums.get(k, 0.0) + float(v)
     bins = bins + np.asarray(batch_bins, np.float64)
   count = max(sums["positions"], 1.0)
+  outside, inside = max(sums["outside"], 1.0), max(sums["positions"] - sums["outside"], 1.0)
   return {"full_kl": sums["full_kl"] / count, "top1_agreement": sums["top1_agreement"] / count,
           "ce": sums["ce"] / count, "accuracy": sums["accuracy"] / count,
           "ece": full_kl.expected_calibration_error(bins),
-          "positions": int(sums["positions"])}
+          "positions": int(sums["positions"]), "teacher_ce": sums["teacher_ce"] / count,
+          "split_k": split_k, "outside_top_k": sums["outside"] / count,
+          "ce_outside_top_k": sums["ce_outside"] / outside,
+          "ce_inside_top_k": (sums["ce"] - sums["ce_outside"]) / inside,
+          "teacher_ce_outside_top_k": sums["teacher_ce_outside"] / outside}
 
 
 def write_report(results: dict, eval_file: str, curves_file: str, metrics_files: dict):

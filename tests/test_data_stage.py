@@ -133,3 +133,45 @@ def test_eval_source_holds_the_eval_store(tok, tmp_path):
   assert texts(eval_) == "".join(f"<|bos|>held out {i}<|eos|>" for i in range(3))
   with pytest.raises(sources.DataError, match="eval_source"):
     stage.build_stores(source, tok, 16, train, eval_, eval_every=5, max_bytes=20)
+
+
+def test_pre_tokenised_records_are_packed_as_given(tok, tmp_path):
+  """input_ids records: no bos/eos added, loss_mask picks the targets; mixed with text records;
+  bad ids and masks are one-line errors naming the record."""
+  docs = [{"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]}, {"text": "document one"},
+          {"input_ids": [9, 10, 11]}, {"input_ids": []}]
+  source = tmp_path / "ids.jsonl"
+  source.write_text("".join(json.dumps(d) + "\n" for d in docs))
+  train, eval_ = str(tmp_path / "train.zarr"), str(tmp_path / "eval.zarr")
+  counts = stage.build_stores(str(source), tok, 32, train, eval_, eval_every=100)
+  assert counts["docs"] == 3 and counts["empty"] == 1
+  row = {k: v[0] for k, v in cache.open(eval_).read(slice(0, 1)).items()}
+  seg1 = row["segment_ids"] == 1
+  assert row["tokens"][seg1].tolist() == [5, 6, 7, 8]
+  # loss_mask[t] says whether token t + 1 is a target: ids 7 and 8 only.
+  assert row["loss_mask"][seg1].tolist() == [False, True, True, False]
+  rows = cache.open(train).read(slice(0, 1))
+  segs = rows["segment_ids"][0]
+  assert tok.decode(rows["tokens"][0][segs == 1]) == "<|bos|>document one<|eos|>"
+  assert rows["tokens"][0][segs == 2].tolist() == [9, 10, 11]
+  assert rows["loss_mask"][0][segs == 2].tolist() == [True, True, False]
+  for bad, match in (({"input_ids": [1, 2], "loss_mask": [1]}, "one per id"),
+                     ({"input_ids": ["a"]}, "list of ints"),
+                     ({"input_ids": [1, -2]}, "token ids are >= 0"),
+                     ({"input_ids": [1, 100_000]}, "tokenizer has 320 ids")):
+    source.write_text(json.dumps(bad) + "\n" + json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(sources.DataError, match=match):
+      stage.build_stores(str(source), tok, 32, str(tmp_path / "t2"), str(tmp_path / "e2"),
+                         eval_every=100)
+
+
+def test_pre_tokenised_records_need_a_tokenizer(tmp_path):
+  source = tmp_path / "ids.jsonl"
+  source.write_text(2 * (json.dumps({"input_ids": [1, 2, 3]}) + "\n"))
+  c = ml_collections.ConfigDict(dict(source=str(source), text_field="text",
+                                     messages_field="messages", max_bytes=0, eval_source="",
+                                     eval_every=2, vocab_size=300, tokenizer="", seq_len=8,
+                                     loss_mask="all"))
+  with pytest.raises(sources.DataError, match="need the tokenizer"):
+    stage.build(c, None, tokenizer_path=str(tmp_path / "tok.json"),
+                train_path=str(tmp_path / "t"), eval_path=str(tmp_path / "e"))

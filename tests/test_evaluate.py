@@ -109,8 +109,9 @@ def test_online_matches_dense_float64_reference(tmp_path, rng):
                        attrs={"tokenizer_hash": "tok"})
   store.write(0, rows)
 
+  split_k = 7
   got = evaluate.evaluate_online(student, teacher, cache.open(tmp_path / "d.zarr"), batch_size=2,
-                                 max_seqs=0, chunk_size=6)
+                                 max_seqs=0, chunk_size=6, split_k=split_k)
 
   def logprobs(model):
     hidden = np.asarray(model(rows["tokens"], rows["positions"], rows["segment_ids"]), np.float64)
@@ -132,3 +133,14 @@ def test_online_matches_dense_float64_reference(tmp_path, rng):
   np.testing.assert_allclose(got["top1_agreement"],
                              (logq.argmax(-1) == logp.argmax(-1))[mask].mean())
   np.testing.assert_allclose(got["ece"], ece, rtol=1e-4, atol=1e-6)
+  # The CE split by whether the true token is among the teacher's split_k most likely.
+  teacher_ce = -np.take_along_axis(logp, labels[..., None], -1)[..., 0]
+  rank = (logp > -teacher_ce[..., None]).sum(-1)
+  outside = mask & (rank >= split_k)
+  assert 0 < outside.sum() < mask.sum()
+  np.testing.assert_allclose(got["teacher_ce"], teacher_ce[mask].mean(), rtol=1e-5)
+  np.testing.assert_allclose(got["outside_top_k"], outside.sum() / mask.sum())
+  np.testing.assert_allclose(got["ce_outside_top_k"], ce[outside].mean(), rtol=1e-5)
+  np.testing.assert_allclose(got["ce_inside_top_k"], ce[mask & ~outside].mean(), rtol=1e-5)
+  np.testing.assert_allclose(got["teacher_ce_outside_top_k"], teacher_ce[outside].mean(),
+                             rtol=1e-5)

@@ -25,10 +25,12 @@ if [ ! -f /tmp/sm/hf/kdjax-smollm2.json ]; then
   python3 -m kdjax.smollm2 --out /tmp/sm --wheels /tmp/wh --python python3 \
     --max-code-bytes 230000000 2>&1 | tail -3
 fi
+# The arms measured before (the repository's results) are not run again.
+[ -f /tmp/sm/recipe.jsonl ] || cp experiments/results/recipe.jsonl /tmp/sm/recipe.jsonl
 left=$((limit - ($(date +%s) - start)))
 echo "study: $left s"
 timeout -k 40 -s TERM "$left" python3 -m experiments.studies.recipe_study --root /tmp/sm \
-  --processes "${PROCESSES:-4}" --results /tmp/sm/recipe.jsonl >> /tmp/sm/study.log 2>&1
+  --processes "${PROCESSES:-5}" --results /tmp/sm/recipe.jsonl >> /tmp/sm/study.log 2>&1
 echo "study exit $?"
 grep -E "^[a-z_]+.*: CE|Traceback|Error|error:" /tmp/sm/study.log | grep -v "^\s" | tail -40
 python3 -m experiments.studies.recipe_study --table --root /tmp/sm --results /tmp/sm/recipe.jsonl \
@@ -37,5 +39,5 @@ if [ -n "${OUT:-}" ]; then
   cp /tmp/sm/recipe.jsonl /tmp/sm/recipe.png "$OUT"/ 2>/dev/null
   tail -c 3000000 /tmp/sm/study.log > "$OUT"/study_tail.log
   (cd /tmp/sm && tar czf "$OUT"/records.tgz study/*/*/metrics.jsonl study/*/prep_done.json \
-    study/*/stages.jsonl corpus/manifest.json corpus_sampled/manifest.json 2>/dev/null)
+    study/*/stages.jsonl corpus/manifest.json corpus_sampled_ids/manifest.json 2>/dev/null)
 fi

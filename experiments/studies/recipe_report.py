@@ -5,12 +5,21 @@ import os
 import numpy as np
 
 METRICS = (("ce", "CE", 4), ("accuracy", "acc", 4), ("full_kl", "full KL", 4),
-           ("top1_agreement", "top-1", 4), ("ece", "ECE", 4), ("exact_match", "next line", 3))
+           ("top1_agreement", "top-1", 4), ("ece", "ECE", 4), ("exact_match", "next line", 3),
+           ("gap", "CE - teacher's", 4), ("outside_top_k", "outside top-100", 4),
+           ("ce_inside_top_k", "CE inside", 4), ("ce_outside_top_k", "CE outside", 3))
 PHASES = ("screen", "final", "correct", "control")
+OBJECTIVE_NAMES = {"hard": "hard labels", "tail": "tail KL", "online": "online full KL"}
+
+
+def with_gap(r: dict) -> dict:
+  """r with `gap`: its CE minus the teacher's on the same tokens (= its KL to the teacher where
+  the data are the teacher's samples)."""
+  return {**r, "gap": r["ce"] - r["teacher_ce"]} if "teacher_ce" in r else r
 
 
 def recipe_label(r: dict) -> str:
-  name = "hard labels" if r["objective"] == "hard" else "tail KL"
+  name = OBJECTIVE_NAMES[r["objective"]]
   if r["ce_weight"]:
     name += f" + {r['ce_weight']:g} CE"
   return name + (" (corrected teacher)" if r["teacher"] == "corrected" else "")
@@ -19,7 +28,7 @@ def recipe_label(r: dict) -> str:
 def table(lines: list[dict]) -> str:
   """One row per recipe, lr and token count: the mean over its seeds, each seed's CE."""
   groups = {}
-  for r in lines:
+  for r in map(with_gap, lines):
     key = (PHASES.index(r["phase"]), r["tokens"], recipe_label(r), r["lr"], r["data"])
     groups.setdefault(key, []).append(r)
   head = ["phase", "data", "recipe", "lr", "tokens", "seeds", "CE per seed"]
@@ -38,7 +47,7 @@ def table(lines: list[dict]) -> str:
 def teachers(root: str) -> str:
   """The teachers' own held-out figures (the prep's teacher_eval), where the study's root is."""
   out = []
-  for which in ("prep", "prep_corrected", "prep_sampled"):
+  for which in ("prep", "prep_corrected", "prep_sampled", "prep_sampled_ids"):
     path = os.path.join(root, "study", which, "prep_done.json")
     if os.path.exists(path):
       with open(path) as f:
@@ -78,7 +87,7 @@ def plot(lines: list[dict], png: str, root: str = ""):
                 label=f"{label}, seed {r['seed']} (held out {r['ce']:.3f})")
       ax.plot([r["train_tokens"] / 1e6], [r["ce"]], "o", color=color)
     ax.set(xlabel="training tokens (M)", title=f"lr {lr:g}")
-    ax.set_ylim(2.5, 5.0)
+    ax.set_ylim(2.0, 5.0)
     ax.legend(fontsize=7)
   axes[0][0].set_ylabel("CE on the true tokens (nats)")
   fig.suptitle("SmolLM2-135M-Instruct -> pruned 35M student: training CE (lines), held-out CE "

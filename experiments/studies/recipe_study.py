@@ -5,27 +5,34 @@ pruned 35M student (configs/smollm2.py), every arm with the same tuning budget.
     python -m experiments.studies.recipe_study --root runs/smollm2 --processes 4   # resumable
     python -m experiments.studies.recipe_study --table          # table and plot from the results
 
-Phases, scheduled by what is finished (arms of one phase run side by side in N processes):
+Phases, scheduled by what is finished (arms run side by side in N processes, in this order of
+priority among those runnable):
   screen  12.6M tokens: hard labels, `tail` KL at k = 100 alone and mixed with hard-label CE
           (loss.ce_weight 0.1, 0.3, 0.5), each at lr 1e-3 and 3e-3, seed 0; then seed 1 of
-          each objective at the lr that was best for it on seed 0. Each at lr 3e-4 too (seed 0),
-          run last of all and reported beside them (at 96 steps it is not expected to win).
-  final   50M tokens, seeds 0 and 1: hard labels and the distilled objective with the lowest
-          mean held-out CE over the screen's two seeds, each at its own best lr.
-  control text sampled from the teacher itself (experiments/studies/sample_teacher.py): the
-          teacher's distribution is the data's, so distillation must win unless the code is at
-          fault. Hard labels vs `tail` alone, lr 1e-3, seeds 0 and 1, 16 rows a step.
+          each objective at the lr that was best for it on seed 0. After the finals: hard labels
+          and the finalist recipe at EDGE_LRS (is the best lr inside the grid?), `online` (the
+          full-vocabulary KL, no top-k) at hard labels' lr, and each objective at lr 3e-4.
+  final   50M tokens, seeds 0 and 1: hard labels at their best lr (as soon as it is known) and
+          the distilled recipe with the lowest mean held-out CE over the screen's two seeds
+          (original teacher or corrected), at its best lr.
+  control the teacher's own samples as data (experiments/studies/sample_teacher.py writes token
+          ids, never re-tokenised; the prompts' 8 real tokens are not targets): the teacher's
+          distribution is the data's, so a student's held-out CE minus the teacher's is its KL
+          to the teacher, and distillation should win. Hard labels, `tail` and `online` at each
+          of LRS (seed 0), then seed 1 at each one's best; 4M tokens, 16 rows a step.
   correct the teacher corrected first (stage pretrain from its checkpoint on the train split,
-          CORRECTION below, one setting chosen before the study), its cache written, and the
-          final's distilled recipe trained on it at 12.6M, seeds 0 and 1, beside the screen's
-          arms of the same recipe; the student is pruned from the original teacher, as in every
-          other arm.
+          CORRECTION below, one setting chosen before the study), its cache written; `tail`
+          and `tail` + 0.5 CE trained on it at 12.6M at the screen's lr for that recipe, seed 0,
+          then seed 1 of the better; the student is pruned from the original teacher, as in
+          every other arm.
 Every arm shares the data store and the learning-rate schedule's shape (warmup a tenth of the
 steps at most 40, cosine to 10%), 64 rows x 2048 tokens a step. Each finished arm is measured
 on the held-out split (whole works and packages never trained on; --eval-rows rows) against the
 original teacher run online: CE on the true tokens, next-token accuracy, full-vocabulary KL
 (teacher || student), top-1 agreement, ECE; and next-line completion (kdjax/completion.py:
-exact match of the greedy continuation on held-out lines). One JSON line per arm in --results.
+exact match of the greedy continuation on held-out lines); the teacher's CE on the same tokens
+and the CE split by whether the true token is in the teacher's top 100 (what a top-k cache
+teaches of it). One JSON line per arm in --results.
 """
 import argparse
 import json
@@ -45,20 +52,23 @@ from kdjax.workdir import Paths
 
 RESULTS = os.path.join(REPO, "experiments", "results", "recipe.jsonl")
 LRS = (1e-3, 3e-3)  # the screen's lrs the finalists are chosen from
+EDGE_LRS = (1e-2,)  # screened for hard labels and the finalist recipe, after the finals
 LAST_LRS = (3e-4,)  # screened too, last of all (seed 0), and reported beside them
 OBJECTIVES = (("hard", 0.0), ("tail", 0.0), ("tail", 0.1), ("tail", 0.3), ("tail", 0.5))
+CONTROL_OBJECTIVES = (("hard", 0.0), ("tail", 0.0), ("online", 0.0))
+CORRECTED = (("tail", 0.0), ("tail", 0.5))  # trained on the corrected teacher's cache
 SCREEN, FINAL, CONTROL = 12_582_912, 50_069_504, 4_000_000  # training tokens
-CONTROL_ROWS = 16  # rows a step on the sampled text (4M tokens: 122 steps)
+CONTROL_ROWS = 16  # rows a step on the sampled text (4M tokens: 123 steps)
 CORRECTION = dict(lr=3e-4, steps=40, warmup_steps=4)  # 5.2M tokens of the train split
 COMPLETION_PROMPTS = 1024  # next-line questions, from the first PROMPT_ROWS held-out rows
 PROMPT_ROWS = 256
-SAMPLED = "corpus_sampled"
+SAMPLED = "corpus_sampled_ids"  # the teacher's samples as token ids (sample_teacher.py)
 
 
 def arm(objective: str, ce: float, lr: float, seed: int, tokens: int, phase: str,
         teacher: str = "original", data: str = "real") -> dict:
   return dict(phase=phase, objective=objective, ce_weight=ce, lr=lr, seed=seed, tokens=tokens,
-              teacher=teacher, data=data, init="pruned", k=0 if objective == "hard" else 100,
+              teacher=teacher, data=data, init="pruned", k=100 if objective == "tail" else 0,
               hidden=0.0)
 
 
@@ -70,29 +80,55 @@ def arm_name(a: dict) -> str:
 
 
 def recipe(a: dict) -> tuple:
-  return (a["objective"], a["ce_weight"])
+  return (a["objective"], a["ce_weight"], a["teacher"])
 
 
-def best_lr(lines: dict, r: tuple) -> float | None:
-  """The screen's best lr for recipe r on seed 0 (lowest held-out CE), once all of LRS ran."""
+def best_lr(lines: dict, r: tuple, phase: str = "screen", data: str = "real") -> float | None:
+  """The best lr (lowest held-out CE on seed 0) of recipe r (objective, ce weight, teacher) in a
+  phase, once it ran at every one of LRS."""
+  lrs = LRS
   ces = {a["lr"]: a["ce"] for a in lines.values()
-         if a["phase"] == "screen" and a["seed"] == 0 and recipe(a) == r and a["lr"] in LRS}
-  return min(ces, key=ces.get) if len(ces) == len(LRS) else None
+         if a["phase"] == phase and a["data"] == data and a["seed"] == 0 and recipe(a) == r
+         and a["lr"] in lrs}
+  return min(ces, key=ces.get) if len(ces) == len(lrs) else None
+
+
+def seed_ces(lines: dict, r: tuple, lr: float, phase: str = "screen") -> list[float]:
+  return [a["ce"] for a in lines.values() if a["phase"] in (phase, "correct")
+          and a["data"] == "real" and recipe(a) == r and a["lr"] == lr]
 
 
 def finalists(lines: dict) -> tuple | None:
-  """(hard's lr, the distilled recipe with the lowest mean screen CE over seeds 0 and 1, its lr)
-  once every screen arm ran; None before."""
+  """(hard's lr, the distilled recipe with the lowest mean screen CE over seeds 0 and 1 (of the
+  original teacher's OBJECTIVES and the corrected teacher's better recipe), its lr) once every
+  one of them ran both seeds; None before."""
+  candidates = [(o, ce, "original") for o, ce in OBJECTIVES]
+  corrected = corrected_lead(lines)
+  if corrected is None:
+    return None
+  candidates.append(corrected)
   means = {}
-  for r in OBJECTIVES:
-    lr = best_lr(lines, r)
-    ces = [a["ce"] for a in lines.values()
-           if a["phase"] == "screen" and recipe(a) == r and a["lr"] == lr]
-    if lr is None or len(ces) < 2:
+  for r in candidates:
+    lr = best_lr(lines, r[:2] + ("original",))
+    ces = seed_ces(lines, r, lr) if lr is not None else []
+    if len(ces) < 2:
       return None
     means[r] = (float(np.mean(ces)), lr)
-  distilled = min((r for r in OBJECTIVES if r[0] != "hard"), key=lambda r: means[r][0])
-  return means[("hard", 0.0)][1], distilled, means[distilled][1]
+  distilled = min((r for r in candidates if r[0] != "hard"), key=lambda r: means[r][0])
+  return means[("hard", 0.0, "original")][1], distilled, means[distilled][1]
+
+
+def corrected_lead(lines: dict) -> tuple | None:
+  """The corrected teacher's recipe (of CORRECTED) with the lower seed-0 CE, once both ran."""
+  ces = {}
+  for o, ce in CORRECTED:
+    lr = best_lr(lines, (o, ce, "original"))
+    got = [a["ce"] for a in lines.values() if a["phase"] == "correct" and a["seed"] == 0
+           and recipe(a) == (o, ce, "corrected") and a["lr"] == lr]
+    if not got:
+      return None
+    ces[(o, ce, "corrected")] = got[0]
+  return min(ces, key=ces.get)
 
 
 def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
@@ -102,34 +138,57 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
   screen, final_tokens = int(SCREEN * scale), int(FINAL * scale)
   todo = [arm(o, ce, lr, 0, screen, "screen") for lr in LRS for o, ce in OBJECTIVES]
   later = False
-  if control and prep_done(root, "sampled"):
-    todo += [arm(o, 0.0, 1e-3, s, int(CONTROL * scale), "control", data="sampled")
-             for s in (0, 1) for o in ("hard", "tail")]
+  hard_lr = best_lr(lines, ("hard", 0.0, "original"))
+  if hard_lr is None:
+    later = True
+  else:  # hard labels' finals need no other arm
+    todo += [arm("hard", 0.0, hard_lr, s, final_tokens, "final") for s in (0, 1)]
+  if control and prep_done(root, "sampled_ids"):  # each objective at each lr, seed 1 at its best
+    tokens = int(CONTROL * scale)
+    todo += [arm(o, ce, lr, 0, tokens, "control", data="sampled_ids")
+             for lr in LRS for o, ce in CONTROL_OBJECTIVES]
+    for o, ce in CONTROL_OBJECTIVES:
+      lr = best_lr(lines, (o, ce, "original"), "control", "sampled_ids")
+      later |= lr is None
+      if lr is not None:
+        todo.append(arm(o, ce, lr, 1, tokens, "control", data="sampled_ids"))
   elif control:
     later = True
-  for o, ce in OBJECTIVES:
-    lr = best_lr(lines, (o, ce))
-    if lr is None:
-      later = True
-    else:
-      todo.append(arm(o, ce, lr, 1, screen, "screen"))
-  chosen = finalists(lines)
+  # Seed 1 of each objective at its best lr, the seed-0 leaders first.
+  lrs = {(o, ce): best_lr(lines, (o, ce, "original")) for o, ce in OBJECTIVES}
+  later |= None in lrs.values()
+  ready = [(o, ce) for (o, ce), lr in lrs.items() if lr is not None]
+  ready.sort(key=lambda r: seed_ces(lines, r + ("original",), lrs[r])[0])
+  todo += [arm(o, ce, lrs[(o, ce)], 1, screen, "screen") for o, ce in ready]
+  if correct and prep_done(root, "corrected"):  # beside the screen's arms of the same recipes
+    for o, ce in CORRECTED:
+      if lrs.get((o, ce)) is not None:
+        todo.append(arm(o, ce, lrs[(o, ce)], 0, screen, "correct", teacher="corrected"))
+    lead = corrected_lead(lines)
+    later |= lead is None
+    if lead is not None:
+      todo.append(arm(lead[0], lead[1], lrs[lead[:2]], 1, screen, "correct",
+                      teacher="corrected"))
+  elif correct:
+    later = True
+  chosen = finalists(lines) if correct else None
   if chosen is None:
     later = True
   else:
-    hard_lr, (o, ce), lr = chosen
-    todo += [arm("hard", 0.0, hard_lr, s, final_tokens, "final") for s in (0, 1)]
-    todo += [arm(o, ce, lr, s, final_tokens, "final") for s in (0, 1)]
-    if correct and prep_done(root, "corrected"):  # beside the screen's arms of this recipe
-      todo += [arm(o, ce, lr, s, screen, "correct", teacher="corrected") for s in (0, 1)]
-    elif correct:
-      later = True
+    _, (o, ce, teacher), lr = chosen
+    todo += [arm(o, ce, lr, s, final_tokens, "final", teacher=teacher) for s in (0, 1)]
+    # Is the best lr inside the grid? Hard labels and the finalist recipe one step above it.
+    todo += [arm(o2, ce2, lr2, 0, screen, "screen" if t == "original" else "correct",
+                 teacher=t) for lr2 in EDGE_LRS
+             for o2, ce2, t in (("hard", 0.0, "original"), (o, ce, teacher))]
+  if hard_lr is not None:  # online (full-vocabulary KL, no top-k) on the real text
+    todo.append(arm("online", 0.0, hard_lr, 0, screen, "screen"))
   todo += [arm(o, ce, lr, 0, screen, "screen") for lr in LAST_LRS for o, ce in OBJECTIVES]
   return [a for a in todo if arm_name(a) not in lines], later
 
 
 def prep_dir(root: str, which: str) -> str:
-  return os.path.join(root, "study", {"original": "prep", "sampled": "prep_sampled",
+  return os.path.join(root, "study", {"original": "prep", "sampled_ids": "prep_sampled_ids",
                                       "corrected": "prep_corrected"}[which])
 
 
@@ -145,7 +204,7 @@ def prep_config(root: str, which: str, variant: str = ""):
   c.workdir = prep_dir(root, which)
   if not variant:  # ~52M positions at seq_len 2048: enough for the finals' 50.1M tokens
     c.data.max_bytes = 175_000_000
-  if which == "sampled":
+  if which == "sampled_ids":
     c.data.source = os.path.join(root, SAMPLED, "train.jsonl")
     c.data.eval_source = os.path.join(root, SAMPLED, "eval.jsonl")
     c.data.max_bytes = 0
@@ -185,7 +244,7 @@ def run_prep(root: str, which: str, variant: str, eval_rows: int):
   teacher = models.teacher_model()
   own = evaluate.evaluate_online(teacher, teacher, cache.open(Paths.from_config(c).data("eval")),
                                  batch_size=c.eval.batch_size, max_seqs=eval_rows)
-  if which != "sampled":  # the teacher's own answers to the real text's completion questions
+  if which != "sampled_ids":  # the teacher's own answers to the real text's completion questions
     own["exact_match"] = completion.exact_match(teacher, *completion_questions(root, variant))
   with open(os.path.join(c.workdir, "prep_done.json"), "w") as f:
     json.dump({"seconds": time.perf_counter() - start, "teacher_eval": own}, f)
@@ -193,13 +252,13 @@ def run_prep(root: str, which: str, variant: str, eval_rows: int):
 
 def arm_config(root: str, a: dict, variant: str):
   """An arm's config: its own workdir, the prep's data (linked) and cache, the arm's recipe."""
-  which = "sampled" if a["data"] == "sampled" else a["teacher"]
+  which = "sampled_ids" if a["data"] == "sampled_ids" else a["teacher"]
   c = prep_config(root, which, variant)
   c.workdir = os.path.join(root, "study", arm_name(a))
   c.cache.path = os.path.join(prep_dir(root, which), "cache")
   c.seed = a["seed"]
   c.init.from_teacher = True  # from the original teacher: its Hugging Face checkpoint
-  if a["data"] == "sampled":
+  if a["data"] == "sampled_ids":
     c.opt.batch_size = CONTROL_ROWS if variant != "smoke" else 2
   c.opt.steps = -(-a["tokens"] // (c.opt.batch_size * c.opt.accum_steps * c.data.seq_len))
   c.opt.warmup_steps = min(c.opt.warmup_steps, c.opt.steps // 10)
@@ -208,16 +267,16 @@ def arm_config(root: str, a: dict, variant: str):
   c.loss.update(objective="tail" if a["objective"] == "hard" else a["objective"],
                 ce_weight=a["ce_weight"])
   c.cache.k = a["k"] or c.cache.k
-  link(os.path.join(prep_dir(root, "sampled" if which == "sampled" else "original"), "data"),
-       os.path.join(c.workdir, "data"))
+  link(os.path.join(prep_dir(root, "sampled_ids" if which == "sampled_ids" else "original"),
+                    "data"), os.path.join(c.workdir, "data"))
   return c
 
 
 def measure(c, a: dict, teacher, root: str, eval_rows: int, questions) -> dict:
   run = "baseline" if a["objective"] == "hard" else "student"
   model = build.Models.from_config(c).finished(run, c.student, c.opt.steps)
-  eval_store = cache.open(os.path.join(prep_dir(root, "sampled" if a["data"] == "sampled"
-                                                else "original"), "data", "eval.zarr"))
+  which = "sampled_ids" if a["data"] == "sampled_ids" else "original"
+  eval_store = cache.open(os.path.join(prep_dir(root, which), "data", "eval.zarr"))
   line = evaluate.evaluate_online(model, teacher, eval_store, batch_size=c.eval.batch_size,
                                   max_seqs=eval_rows)
   if a["data"] == "real":
@@ -247,10 +306,9 @@ def worker(args):
   teacher = build.Models.from_config(orig).teacher_model()
   questions = completion_questions(args.root, args.variant)
   while True:
-    for which in ("sampled", "corrected"):  # serial jobs, once their inputs exist
-      ready = (args.correct and finalists(base.read_results(args.results)) is not None
-               if which == "corrected" else args.sample_tokens and os.path.exists(
-                   os.path.join(args.root, SAMPLED, "eval.jsonl")))
+    for which in ("sampled_ids", "corrected"):  # serial jobs, once their inputs exist
+      ready = (args.correct if which == "corrected" else args.sample_tokens and os.path.exists(
+          os.path.join(args.root, SAMPLED, "eval.jsonl")))
       if ready and not prep_done(args.root, which) and claim(args, f"prep_{which}"):
         run_prep(args.root, which, args.variant, args.eval_rows)
     todo, later = schedule(base.read_results(args.results), args.root, args.scale,
@@ -314,8 +372,8 @@ def main():
   # Arms of one shape share compiled programs (seeds, and every arm's evaluation).
   jax.config.update("jax_compilation_cache_dir", os.path.join(args.root, "study", "jax_cache"))
   if args.variant == "smoke":  # CPU: one lr, two objectives, each phase's code run once
-    global LRS, LAST_LRS, OBJECTIVES, COMPLETION_PROMPTS
-    LRS, LAST_LRS, OBJECTIVES = LRS[:1], (), (OBJECTIVES[0], OBJECTIVES[-1])
+    global LRS, EDGE_LRS, LAST_LRS, OBJECTIVES, COMPLETION_PROMPTS
+    LRS, EDGE_LRS, LAST_LRS, OBJECTIVES = LRS[:1], (), (), (OBJECTIVES[0], OBJECTIVES[-1])
     COMPLETION_PROMPTS = 4
   if args.table:
     from experiments.studies import recipe_report

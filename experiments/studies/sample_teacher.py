@@ -7,8 +7,11 @@
 Needs torch and transformers (the GPU image's python3, or kdjax's side venv on a CPU for a tiny
 run). Each document is PROMPT_TOKENS tokens of a training document (a different one each time,
 so samples cover code and verse) continued by the teacher with plain ancestral sampling: the
-teacher's own softmax at temperature 1, no top-k, top-p or repetition penalty, cut at its
-end-of-text token. Writes OUT/train.jsonl and OUT/eval.jsonl (records {"text": ...}) and
+teacher's own softmax at temperature 1, no top-k, top-p or repetition penalty, cut after its
+end-of-text token. Writes the token ids as sampled, never decoded and tokenised again (which
+would rewrite non-canonical splits and make the text no longer the teacher's samples):
+OUT/train.jsonl and OUT/eval.jsonl (pre-tokenised records {"input_ids": [...], "loss_mask":
+[...]}, the prompt's ids not targets, the data stage packs them as they are) and
 OUT/manifest.json. Resumable: finished batches are appended to OUT/*.partial and counted.
 """
 import argparse
@@ -36,7 +39,7 @@ def prompts(path: str, tokenizer, count: int, skip: int) -> list[list[int]]:
   return out
 
 
-def sample(model, tokenizer, prompt_ids: list[list[int]], new_tokens: int) -> list[str]:
+def sample(model, tokenizer, prompt_ids: list[list[int]], new_tokens: int) -> list[dict]:
   import torch
   ids = torch.tensor(prompt_ids, device=model.device)
   with torch.no_grad():
@@ -44,11 +47,14 @@ def sample(model, tokenizer, prompt_ids: list[list[int]], new_tokens: int) -> li
                          temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
                          min_new_tokens=new_tokens, pad_token_id=tokenizer.eos_token_id,
                          eos_token_id=None, repetition_penalty=1.0)
-  texts = []
+  records = []
   for row in out.tolist():
-    cut = row.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in row else len(row)
-    texts.append(tokenizer.decode(row[:cut]))
-  return texts
+    sampled = row[PROMPT_TOKENS:]
+    if tokenizer.eos_token_id in sampled:  # the teacher's own end: the last of its samples
+      sampled = sampled[:sampled.index(tokenizer.eos_token_id) + 1]
+    records.append({"input_ids": row[:PROMPT_TOKENS] + sampled,
+                    "loss_mask": [0] * PROMPT_TOKENS + [1] * len(sampled)})
+  return records
 
 
 def write_split(model, tokenizer, args, name: str, tokens: int, skip: int) -> int:
@@ -63,10 +69,10 @@ def write_split(model, tokenizer, args, name: str, tokens: int, skip: int) -> in
   start = time.perf_counter()
   while done < total:
     batch = all_prompts[done:done + args.batch_size]
-    texts = sample(model, tokenizer, batch, args.new_tokens)
+    records = sample(model, tokenizer, batch, args.new_tokens)
     with open(partial, "a") as f:
-      f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
-    done += len(texts)
+      f.writelines(json.dumps(r) + "\n" for r in records)
+    done += len(records)
     rate = done * per_doc / (time.perf_counter() - start)
     print(f"{name}: {done}/{total} documents, {rate / 1e3:.1f}k tokens/s", flush=True)
   os.replace(partial, final)
@@ -98,7 +104,7 @@ def main():
   docs = {"train": write_split(model, tokenizer, args, "train", args.train_tokens, 0)}
   # Eval prompts come from later documents than train's: no shared prompt.
   docs["eval"] = write_split(model, tokenizer, args, "eval", args.eval_tokens, docs["train"])
-  manifest = {"teacher": args.hf, "prompt_tokens": PROMPT_TOKENS, "new_tokens": args.new_tokens,
+  manifest = {"teacher": args.hf, "format": "input_ids", "prompt_tokens": PROMPT_TOKENS, "new_tokens": args.new_tokens,
               "temperature": 1.0, "documents": docs, "seed": args.seed, "device": device,
               "dtype": str(dtype), "seconds": time.perf_counter() - start}
   with open(os.path.join(args.out, "manifest.json"), "w") as f:

@@ -1,8 +1,11 @@
 """Document sources: streaming generators of `Document`s, never a whole dataset in memory.
 
 `documents(source, ...)` reads "stdlib" (the Python standard library's own .py files, the demo
-corpus present on every machine) or .jsonl / .parquet files whose records hold plain text or chat
-turns. Chat turns are rendered with the tokenizer's chat template (kdjax/data/chat.py).
+corpus present on every machine) or .jsonl / .parquet files whose records hold plain text, chat
+turns or token ids. Chat turns are rendered with the tokenizer's chat template
+(kdjax/data/chat.py). A record with an `input_ids` field (IDS_FIELD: a list of ints) is
+pre-tokenised: its ids are packed exactly as given, no bos/eos added, and an optional `loss_mask`
+field (TARGETS_FIELD: one 0/1 per id) says which ids are training targets (default: all).
 """
 import collections
 import dataclasses
@@ -12,6 +15,7 @@ import os
 import sysconfig
 from collections.abc import Iterator
 
+import numpy as np
 import pyarrow.parquet as pq
 import tqdm
 
@@ -26,6 +30,8 @@ _STDLIB_SKIP = frozenset({"test", "tests", "idle_test", "idlelib", "site-package
                           "pydoc_data"})
 _PARQUET_BATCH = 256
 LOSS_MASKS = choices.LOSS_MASKS  # which tokens are targets: all, or assistant turns only
+IDS_FIELD, TARGETS_FIELD = "input_ids", "loss_mask"  # a pre-tokenised record's fields
+TOKEN_BYTES = 4  # what one id of a pre-tokenised record counts toward max_bytes
 
 
 class DataError(UserError):
@@ -38,11 +44,23 @@ class Document:
 
   `spans` are the [start, end) character ranges whose tokens are training targets; None means
   the whole text (loss_mask="all"). `templated` documents come from a chat template, which
-  writes its own special tokens, so packing adds no bos/eos to them.
+  writes its own special tokens, so packing adds no bos/eos to them. A pre-tokenised document
+  has no text: `ids` [n] int32 and `targets` [n] bool, packed as they are.
   """
   text: str
   spans: tuple[tuple[int, int], ...] | None = None
   templated: bool = False
+  ids: np.ndarray | None = None
+  targets: np.ndarray | None = None
+
+  @property
+  def size(self) -> int:
+    """What the document counts toward max_bytes: its UTF-8 bytes, TOKEN_BYTES an id."""
+    return TOKEN_BYTES * len(self.ids) if self.ids is not None else len(self.text.encode("utf-8"))
+
+  @property
+  def empty(self) -> bool:
+    return len(self.ids) == 0 if self.ids is not None else not self.text.strip()
 
 
 def documents(source: str, *, text_field: str = "text", messages_field: str = "messages",
@@ -78,10 +96,10 @@ def documents(source: str, *, text_field: str = "text", messages_field: str = "m
     for doc in stream:
       if isinstance(doc, str):
         doc = Document(doc)
-      if not doc.text.strip():
+      if doc.empty:
         counts["empty"] += 1
         continue
-      size = len(doc.text.encode("utf-8"))
+      size = doc.size
       counts["docs"] += 1
       counts["bytes"] += size
       bar.update(size)
@@ -179,6 +197,8 @@ def _record_document(record, where, text_field, messages_field, renderer) -> Doc
     except chat.ChatTemplateError as e:
       raise DataError(f"{where}: {e}") from e
     return Document(text, spans, templated=True)
+  if record.get(IDS_FIELD) is not None:
+    return _ids_document(record, where)
   if text_field not in record:
     raise DataError(f"{where}: missing field {text_field!r} (and no {messages_field!r}); "
                     f"fields are {sorted(record)}; set data.text_field / data.messages_field")
@@ -188,6 +208,27 @@ def _record_document(record, where, text_field, messages_field, renderer) -> Doc
   if not isinstance(text, str):
     raise DataError(f"{where}: field {text_field!r} is {type(text).__name__}, not a string")
   return Document(text)
+
+
+def _ids_document(record: dict, where: str) -> Document:
+  """A pre-tokenised record: its ids and which of them are targets, checked."""
+  ids = record[IDS_FIELD]
+  if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+    raise DataError(f"{where}: field {IDS_FIELD!r} must be a list of ints (token ids)")
+  ids_N = np.asarray(ids, np.int64)
+  if ids_N.size and not 0 <= ids_N.min() <= ids_N.max() < np.iinfo(np.int32).max:
+    raise DataError(f"{where}: field {IDS_FIELD!r} holds ids from {ids_N.min()} to "
+                    f"{ids_N.max()}; token ids are >= 0 and below the vocabulary's size")
+  mask = record.get(TARGETS_FIELD)
+  if mask is None:
+    targets_N = np.ones(ids_N.shape, np.bool_)
+  elif (not isinstance(mask, list) or len(mask) != len(ids)
+        or not all(m in (0, 1) for m in mask)):
+    raise DataError(f"{where}: field {TARGETS_FIELD!r} must be a list of 0/1, one per id of "
+                    f"{IDS_FIELD!r} ({len(ids)})")
+  else:
+    targets_N = np.asarray(mask, np.bool_)
+  return Document("", ids=ids_N.astype(np.int32), targets=targets_N)
 
 
 def _jsonl_records(path) -> Iterator[tuple[str, object]]:
@@ -212,10 +253,10 @@ def _jsonl_records(path) -> Iterator[tuple[str, object]]:
 def _parquet_records(path, text_field, messages_field) -> Iterator[tuple[str, object]]:
   file = pq.ParquetFile(path)
   names = file.schema_arrow.names
-  columns = [c for c in (text_field, messages_field) if c in names]
-  if not columns:
-    raise DataError(f"{path}: no column {text_field!r} or {messages_field!r}; columns are "
-                    f"{names}; set data.text_field / data.messages_field")
+  columns = [c for c in (text_field, messages_field, IDS_FIELD, TARGETS_FIELD) if c in names]
+  if not set(columns) - {TARGETS_FIELD}:
+    raise DataError(f"{path}: no column {text_field!r}, {messages_field!r} or {IDS_FIELD!r}; "
+                    f"columns are {names}; set data.text_field / data.messages_field")
   row = 0
   for batch in file.iter_batches(batch_size=_PARQUET_BATCH, columns=columns):
     for record in batch.to_pylist():

@@ -35,7 +35,7 @@ def build(c, tok: tokenizer.Tokenizer | None, *, tokenizer_path: str, train_path
   runs). Then writes the stores unless they are complete.
   """
   if tok is None:
-    texts = (d.text for i, d in enumerate(sources.documents(
+    texts = (_text(d) for i, d in enumerate(sources.documents(
         c.source, text_field=c.text_field, messages_field=c.messages_field,
         max_bytes=c.max_bytes)) if c.eval_source or not _held_out(i, c.eval_every))
     logging.info("training a %d-token BPE on %s", c.vocab_size, c.source)
@@ -103,7 +103,8 @@ def build_stores(source: str, tok: tokenizer.Tokenizer, seq_len: int, train_path
           continue
         split = split_of(i)
         counts[("train_tokens", "eval_tokens")[split]] += len(ids)
-        spools[split].extend(packers[split].push((ids, targets), add_specials=not doc.templated))
+        spools[split].extend(packers[split].push(
+            (ids, targets), add_specials=not (doc.templated or doc.ids is not None)))
     if eval_source:
       counts.update(eval_counts)
     for packer, spool in zip(packers, spools):
@@ -127,6 +128,13 @@ def build_stores(source: str, tok: tokenizer.Tokenizer, seq_len: int, train_path
                "train %d rows, eval %d rows", counts["docs"], counts["empty"],
                counts["no_targets"], counts["bytes"], counts["train_rows"], counts["eval_rows"])
   return dict(counts)
+
+
+def _text(doc: sources.Document) -> str:
+  if doc.ids is not None:
+    raise sources.DataError("pre-tokenised records (input_ids) need the tokenizer that made them: "
+                            "set data.tokenizer (or teacher.hf_path)")
+  return doc.text
 
 
 def _held_out(index: int, eval_every: int) -> bool:
@@ -173,7 +181,15 @@ def _encode(batch, tok) -> Iterator[tuple[sources.Document, np.ndarray, np.ndarr
   if not batch:
     return
   encodings = tok.hf.encode_batch([d.text for d in batch], add_special_tokens=False)
+  vocab = tok.vocab_size if any(d.ids is not None for d in batch) else 0
   for doc, enc in zip(batch, encodings):
+    if doc.ids is not None:  # pre-tokenised: as given
+      if len(doc.ids) and doc.ids.max() >= vocab:
+        raise sources.DataError(
+            f"a pre-tokenised record holds id {doc.ids.max()} but the tokenizer has {vocab} "
+            "ids; its ids must come from data.tokenizer's tokenizer")
+      yield doc, doc.ids, doc.targets
+      continue
     ids = np.asarray(enc.ids, np.int32)
     if doc.spans is None:
       yield doc, ids, np.ones(ids.shape, np.bool_)

@@ -28,8 +28,10 @@ def default_chunk(num_rows: int, vocab: int) -> int:
   return max(1, min(num_rows, CHUNK_BYTES // (2 * 4 * vocab)))
 
 
-def _chunk_terms(h_CxD, w_DxV, th_CxD, tw_DxV, labels_C, temperature):
-  """Per-position terms of one chunk (th, tw: the teacher's, of its own width D)."""
+def _chunk_terms(h_CxD, w_DxV, th_CxD, tw_DxV, labels_C, temperature, teacher_label=False):
+  """Per-position terms of one chunk (th, tw: the teacher's, of its own width D); with
+  teacher_label also the teacher's CE on the label and the label's rank among the teacher's
+  logits (0: its top-1)."""
   z_CxV = jnp.einsum("cd,dv->cv", h_CxD, w_DxV, preferred_element_type=jnp.float32)
   zt_CxV = jax.lax.stop_gradient(
       jnp.einsum("cd,dv->cv", th_CxD, tw_DxV, preferred_element_type=jnp.float32))
@@ -38,16 +40,23 @@ def _chunk_terms(h_CxD, w_DxV, th_CxD, tw_DxV, labels_C, temperature):
   kl_C = temperature * temperature * jnp.sum(jnp.exp(logp_CxV) * (logp_CxV - logq_CxV), axis=-1)
   argmax_C = jnp.argmax(z_CxV, axis=-1)
   logq1_CxV = jax.nn.log_softmax(z_CxV, axis=-1)
-  return dict(kl=kl_C, top1=argmax_C == jnp.argmax(zt_CxV, axis=-1),
-              entropy=-jnp.sum(jnp.exp(logq_CxV) * logq_CxV, axis=-1),
-              ce=-jnp.take_along_axis(logq1_CxV, labels_C[:, None], axis=-1)[:, 0],
-              confidence=jnp.exp(jnp.max(logq1_CxV, axis=-1)), correct=argmax_C == labels_C)
+  at_label = lambda x_CxV: jnp.take_along_axis(x_CxV, labels_C[:, None], axis=-1)[:, 0]
+  terms = dict(kl=kl_C, top1=argmax_C == jnp.argmax(zt_CxV, axis=-1),
+               entropy=-jnp.sum(jnp.exp(logq_CxV) * logq_CxV, axis=-1),
+               ce=-at_label(logq1_CxV), confidence=jnp.exp(jnp.max(logq1_CxV, axis=-1)),
+               correct=argmax_C == labels_C)
+  if teacher_label:
+    terms["teacher_ce"] = -at_label(jax.nn.log_softmax(zt_CxV, axis=-1))
+    terms["teacher_rank"] = jnp.sum(zt_CxV > at_label(zt_CxV)[:, None], axis=-1)
+  return terms
 
 
 def full_kl_loss(hidden, lm_head, teacher_hidden, teacher_head, mask, *, temperature=1.0,
-                 labels=None, ce_weight=0.0, chunk_size=None, per_position=False):
+                 labels=None, ce_weight=0.0, chunk_size=None, per_position=False,
+                 teacher_label=False):
   """Mean over masked positions of the full-vocabulary KL + ce_weight * CE(labels); with
-  per_position, (loss, {term: [...]}) (POSITION_TERMS; entropy: the student's, at tau).
+  per_position, (loss, {term: [...]}) (POSITION_TERMS; entropy: the student's, at tau; with
+  teacher_label and labels also teacher_ce and teacher_rank, see _chunk_terms).
 
   hidden [..., D], lm_head [D, V] (the student's); teacher_hidden [..., D_t], teacher_head
   [D_t, V]; mask [...] bool (None: all); labels [...] int (None: ce and correct are 0).
@@ -77,7 +86,8 @@ def full_kl_loss(hidden, lm_head, teacher_hidden, teacher_head, mask, *, tempera
   @jax.checkpoint
   def one(args):
     h_CxD, th_CxD, labels_C = args
-    return _chunk_terms(h_CxD, lm_head, th_CxD, teacher_head, labels_C, temperature)
+    return _chunk_terms(h_CxD, lm_head, th_CxD, teacher_head, labels_C, temperature,
+                        teacher_label and labels is not None)
 
   chunks = lambda x: x.reshape((padded // chunk, chunk) + x.shape[1:])
   terms = jax.lax.map(one, (chunks(h_NxD), chunks(th_NxD), chunks(labels_N)))
