@@ -12,14 +12,16 @@ priority among those runnable):
           each objective at the lr that was best for it on seed 0. After the finals: hard labels
           and the finalist recipe at EDGE_LRS (is the best lr inside the grid?), `online` (the
           full-vocabulary KL, no top-k) at hard labels' lr, and each objective at lr 3e-4.
-  final   50M tokens, seeds 0 and 1: hard labels at their best lr (as soon as it is known) and
-          the distilled recipe with the lowest mean held-out CE over the screen's two seeds
-          (original teacher or corrected), at its best lr.
+  final   50M tokens, seeds 0 and 1, each at its best lr: hard labels and the distilled recipe
+          that led the seed-0 screen, as soon as those are known (seed 1 of the screen checks
+          the lead); and the corrected teacher's better recipe too if its mean screen CE over
+          seeds 0 and 1 beats the leader's.
   control the teacher's own samples as data (experiments/studies/sample_teacher.py writes token
           ids, never re-tokenised; the prompts' 8 real tokens are not targets): the teacher's
           distribution is the data's, so a student's held-out CE minus the teacher's is its KL
           to the teacher, and distillation should win. Hard labels, `tail` and `online` at each
           of LRS (seed 0), then seed 1 at each one's best; 4M tokens, 16 rows a step.
+  Then seed 1 of the other screen recipes.
   correct the teacher corrected first (stage pretrain from its checkpoint on the train split,
           CORRECTION below, one setting chosen before the study), its cache written; `tail`
           and `tail` + 0.5 CE trained on it at 12.6M at the screen's lr for that recipe, seed 0,
@@ -98,24 +100,31 @@ def seed_ces(lines: dict, r: tuple, lr: float, phase: str = "screen") -> list[fl
           and a["data"] == "real" and recipe(a) == r and a["lr"] == lr]
 
 
-def finalists(lines: dict) -> tuple | None:
-  """(hard's lr, the distilled recipe with the lowest mean screen CE over seeds 0 and 1 (of the
-  original teacher's OBJECTIVES and the corrected teacher's better recipe), its lr) once every
-  one of them ran both seeds; None before."""
-  candidates = [(o, ce, "original") for o, ce in OBJECTIVES]
-  corrected = corrected_lead(lines)
-  if corrected is None:
-    return None
-  candidates.append(corrected)
-  means = {}
-  for r in candidates:
-    lr = best_lr(lines, r[:2] + ("original",))
-    ces = seed_ces(lines, r, lr) if lr is not None else []
-    if len(ces) < 2:
+def leader(lines: dict) -> tuple | None:
+  """(the distilled recipe of OBJECTIVES with the lowest seed-0 screen CE at its best lr, that
+  lr) once every seed-0 screen arm ran; None before."""
+  best = {}
+  for o, ce in OBJECTIVES:
+    lr = best_lr(lines, (o, ce, "original"))
+    if lr is None:
       return None
-    means[r] = (float(np.mean(ces)), lr)
-  distilled = min((r for r in candidates if r[0] != "hard"), key=lambda r: means[r][0])
-  return means[("hard", 0.0, "original")][1], distilled, means[distilled][1]
+    if o != "hard":
+      best[(o, ce, "original")] = (seed_ces(lines, (o, ce, "original"), lr)[0], lr)
+  r = min(best, key=lambda r: best[r][0])
+  return r, best[r][1]
+
+
+def corrected_finalist(lines: dict) -> tuple[bool, tuple | None]:
+  """(decided, (the corrected teacher's better recipe, its lr) or None): a finalist when its
+  mean screen CE over seeds 0 and 1 is below the leader's; undecided before both ran both."""
+  lead, corrected = leader(lines), corrected_lead(lines)
+  if lead is None or corrected is None:
+    return False, None
+  lr = best_lr(lines, corrected[:2] + ("original",))
+  ours, theirs = seed_ces(lines, corrected, lr), seed_ces(lines, lead[0], lead[1])
+  if len(ours) < 2 or len(theirs) < 2:
+    return False, None
+  return True, ((corrected, lr) if np.mean(ours) < np.mean(theirs) else None)
 
 
 def corrected_lead(lines: dict) -> tuple | None:
@@ -143,6 +152,11 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
     later = True
   else:  # hard labels' finals need no other arm
     todo += [arm("hard", 0.0, hard_lr, s, final_tokens, "final") for s in (0, 1)]
+  lead = leader(lines)
+  later |= lead is None
+  if lead is not None:  # and the seed-0 screen's leading distilled recipe beside them
+    (o, ce, _), lr = lead
+    todo += [arm(o, ce, lr, s, final_tokens, "final") for s in (0, 1)]
   if control and prep_done(root, "sampled_ids"):  # each objective at each lr, seed 1 at its best
     tokens = int(CONTROL * scale)
     todo += [arm(o, ce, lr, 0, tokens, "control", data="sampled_ids")
@@ -158,29 +172,32 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
   lrs = {(o, ce): best_lr(lines, (o, ce, "original")) for o, ce in OBJECTIVES}
   later |= None in lrs.values()
   ready = [(o, ce) for (o, ce), lr in lrs.items() if lr is not None]
-  ready.sort(key=lambda r: seed_ces(lines, r + ("original",), lrs[r])[0])
-  todo += [arm(o, ce, lrs[(o, ce)], 1, screen, "screen") for o, ce in ready]
+  first = [("hard", 0.0)] + ([lead[0][:2]] if lead is not None else [])
+  ready.sort(key=lambda r: (r not in first, first.index(r) if r in first else 0,
+                            seed_ces(lines, r + ("original",), lrs[r])[0]))
+  seed1 = [arm(o, ce, lrs[(o, ce)], 1, screen, "screen") for o, ce in ready]
+  todo += seed1[:len(first)]  # hard labels and the distilled leader
   if correct and prep_done(root, "corrected"):  # beside the screen's arms of the same recipes
     for o, ce in CORRECTED:
       if lrs.get((o, ce)) is not None:
         todo.append(arm(o, ce, lrs[(o, ce)], 0, screen, "correct", teacher="corrected"))
-    lead = corrected_lead(lines)
-    later |= lead is None
-    if lead is not None:
-      todo.append(arm(lead[0], lead[1], lrs[lead[:2]], 1, screen, "correct",
+    corrected = corrected_lead(lines)
+    later |= corrected is None
+    if corrected is not None:
+      todo.append(arm(corrected[0], corrected[1], lrs[corrected[:2]], 1, screen, "correct",
                       teacher="corrected"))
   elif correct:
     later = True
-  chosen = finalists(lines) if correct else None
-  if chosen is None:
-    later = True
-  else:
-    _, (o, ce, teacher), lr = chosen
-    todo += [arm(o, ce, lr, s, final_tokens, "final", teacher=teacher) for s in (0, 1)]
-    # Is the best lr inside the grid? Hard labels and the finalist recipe one step above it.
-    todo += [arm(o2, ce2, lr2, 0, screen, "screen" if t == "original" else "correct",
-                 teacher=t) for lr2 in EDGE_LRS
-             for o2, ce2, t in (("hard", 0.0, "original"), (o, ce, teacher))]
+  todo += seed1[len(first):]
+  if correct:
+    decided, chosen = corrected_finalist(lines)
+    later |= not decided
+    if chosen is not None:
+      (o, ce, teacher), lr = chosen
+      todo += [arm(o, ce, lr, s, final_tokens, "final", teacher=teacher) for s in (0, 1)]
+  if lead is not None:  # Is the best lr inside the grid? Hard labels and the leader above it.
+    todo += [arm(o2, ce2, lr2, 0, screen, "screen") for lr2 in EDGE_LRS
+             for o2, ce2 in (("hard", 0.0), lead[0][:2])]
   if hard_lr is not None:  # online (full-vocabulary KL, no top-k) on the real text
     todo.append(arm("online", 0.0, hard_lr, 0, screen, "screen"))
   todo += [arm(o, ce, lr, 0, screen, "screen") for lr in LAST_LRS for o, ce in OBJECTIVES]
