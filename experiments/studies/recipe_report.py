@@ -58,22 +58,26 @@ def teachers(root: str) -> str:
 
 
 def plot(lines: list[dict], png: str, root: str = ""):
-  """Training CE over training tokens (lines) and held-out CE (dots): the final arms, or before
-  they ran, the screen's seed 0 (one panel per lr). Each arm's metrics.jsonl is read under
-  ROOT/study/ (the study's --root) or, without a root, from the workdir its line names."""
+  """Training CE over training tokens (lines) and held-out CE (dots), one panel each: the real
+  text's final arms (before they ran, the screen's seed 0 at its best lr) and the control on the
+  teacher's own samples at lr 3e-3. Each arm's metrics.jsonl is read under ROOT/study/ (the
+  study's --root) or, without a root, from the workdir its line names."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  shown = [r for r in lines if r["phase"] in ("final", "correct")] or [
-      r for r in lines if r["phase"] == "screen" and r["seed"] == 0]
-  if not shown:
+  real = [r for r in lines if r["phase"] == "final"] or [
+      r for r in lines if r["phase"] == "screen" and r["seed"] == 0 and r["lr"] == 3e-3]
+  control = [r for r in lines if r["phase"] == "control" and r["data"] == "sampled_ids"
+             and r["lr"] == 3e-3]
+  panels = [(rs, title, ylim) for rs, title, ylim in (
+      (real, "real held-out text (Python sources, Shakespeare)", (1.5, 4.0)),
+      (control, "the teacher's own samples (token ids), 4M tokens", (3.5, 6.5))) if rs]
+  if not panels:
     return
-  lrs = sorted({r["lr"] for r in shown}, reverse=True)
-  fig, axes = plt.subplots(1, len(lrs), figsize=(6 * len(lrs), 4.5), squeeze=False, sharey=True)
-  colors = {}
-  for ax, lr in zip(axes[0], lrs):
-    for r in sorted((r for r in shown if r["lr"] == lr), key=lambda r: (recipe_label(r),
-                                                                         r["seed"])):
+  fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+  for ax, (shown, title, ylim) in zip(axes[0], panels):
+    colors = {}
+    for r in sorted(shown, key=lambda r: (recipe_label(r), r["seed"])):
       label = recipe_label(r)
       color = colors.setdefault(label, f"C{len(colors)}")
       workdir = os.path.join(root, "study", r["arm"]) if root else r["workdir"]
@@ -86,8 +90,7 @@ def plot(lines: list[dict], png: str, root: str = ""):
                 color=color, ls=("-", ":")[r["seed"] % 2], lw=1,
                 label=f"{label}, seed {r['seed']} (held out {r['ce']:.3f})")
       ax.plot([r["train_tokens"] / 1e6], [r["ce"]], "o", color=color)
-    ax.set(xlabel="training tokens (M)", title=f"lr {lr:g}")
-    ax.set_ylim(2.0, 5.0)
+    ax.set(xlabel="training tokens (M)", title=f"{title}, lr {shown[0]['lr']:g}", ylim=ylim)
     ax.legend(fontsize=7)
   axes[0][0].set_ylabel("CE on the true tokens (nats)")
   fig.suptitle("SmolLM2-135M-Instruct -> pruned 35M student: training CE (lines), held-out CE "

@@ -323,11 +323,10 @@ def worker(args):
   teacher = build.Models.from_config(orig).teacher_model()
   questions = completion_questions(args.root, args.variant)
   while True:
-    for which in ("sampled_ids", "corrected"):  # serial jobs, once their inputs exist
-      ready = (args.correct if which == "corrected" else args.sample_tokens and os.path.exists(
-          os.path.join(args.root, SAMPLED, "eval.jsonl")))
-      if ready and not prep_done(args.root, which) and claim(args, f"prep_{which}"):
-        run_prep(args.root, which, args.variant, args.eval_rows)
+    # The sampled text's data and cache, once: a serial job, once the sampler finished.
+    if (args.sample_tokens and os.path.exists(os.path.join(args.root, SAMPLED, "eval.jsonl"))
+        and not prep_done(args.root, "sampled_ids") and claim(args, "prep_sampled_ids")):
+      run_prep(args.root, "sampled_ids", args.variant, args.eval_rows)
     todo, later = schedule(base.read_results(args.results), args.root, args.scale,
                            control=bool(args.sample_tokens), correct=args.correct)
     a = next((a for a in todo if claim(args, arm_name(a))), None)
@@ -347,7 +346,8 @@ def worker(args):
 
 
 def prepare(args):
-  """The original teacher's data, cache and own held-out figures; the sampled text started."""
+  """The original teacher's data, cache and own held-out figures, then the corrected teacher's;
+  the sampled text started first, beside them."""
   sampled = os.path.join(args.root, SAMPLED)
   sampler = None
   if not os.path.exists(os.path.join(sampled, "eval.jsonl")) and args.sample_tokens:
@@ -360,6 +360,10 @@ def prepare(args):
          str(args.sample_batch), "--new-tokens", str(args.sample_length)])
   if not prep_done(args.root, "original"):
     run_prep(args.root, "original", args.variant, args.eval_rows)
+  # Here, before the workers: training the 135M teacher needs more of the GPU than a worker's
+  # share (1/N of it; it ran out of memory at 1/5 of an H100).
+  if args.correct and not prep_done(args.root, "corrected"):
+    run_prep(args.root, "corrected", args.variant, args.eval_rows)
   return sampler
 
 
