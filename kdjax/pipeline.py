@@ -13,6 +13,7 @@ Outputs under the workdir:
   curves.png                  training CE, KL and top-1 agreement of the students
   export/                     (stage export) the student as a Hugging Face checkpoint directory
 """
+import functools
 import json
 import logging
 import os
@@ -116,13 +117,17 @@ def stage_train(c, paths: Paths):
     open_store = _open_data(paths.data("train"), c.data.seq_len)
     targets = teacher.OnlineTargets(models.teacher_model())
   else:
-    # Refuses a cache of another vocabulary, k, length or tokenizer than the student expects.
-    tok_hash = tokenizer.tokenizer_hash(paths.student_tokenizer())
-    open_store = lambda cfg: cache.open(
-        paths.cache("train"), vocab_size=cfg.output_vocab_size, k=c.cache.k,
-        seq_len=c.data.seq_len, tokenizer_hash=tok_hash, hidden=c.loss.hidden_weight > 0)
+    open_store = _open_cache(paths, c.cache.k, c.data.seq_len, c.loss.hidden_weight > 0)
   return _fit(models, "student", c.student, c.opt, open_store, hard_labels=False, loss=c.loss,
               mesh_cfg=c.mesh, targets=targets)
+
+
+def _open_cache(paths: Paths, k: int, seq_len: int, hidden: bool):
+  """Opens the train split's cache for a student's model config; refuses a cache of another
+  vocabulary, k, length or tokenizer than the student expects."""
+  tok_hash = tokenizer.tokenizer_hash(paths.student_tokenizer())
+  return lambda cfg: cache.open(paths.cache("train"), vocab_size=cfg.output_vocab_size, k=k,
+                                seq_len=seq_len, tokenizer_hash=tok_hash, hidden=hidden)
 
 
 def stage_baseline(c, paths: Paths):
@@ -138,23 +143,16 @@ def stage_eval(c, paths: Paths):
   models = build.Models.from_config(c, paths)
   results = {}
   online = c.loss.objective == "online" and not os.path.isdir(paths.cache("eval"))
+  the_teacher = None
   if online:
     eval_store = cache.open(paths.data("eval"))
     the_teacher = models.teacher_model()
   else:
     eval_store = cache.open(paths.cache("eval"))
 
-  def measure(name, model):  # one model in memory at a time: the teacher may be large
-    desc, chunk = f"eval {name}", c.loss.chunk_size or None
-    if online:
-      results[name] = evaluate.evaluate_online(model, the_teacher, eval_store,
-                                               batch_size=c.eval.batch_size,
-                                               max_seqs=c.eval.max_seqs, chunk_size=chunk,
-                                               desc=desc)
-    else:
-      results[name] = evaluate.evaluate(model, eval_store, batch_size=c.eval.batch_size,
-                                        max_seqs=c.eval.max_seqs, chunk_size=chunk, desc=desc)
-
+  # One model in memory at a time: the teacher may be large.
+  measure = functools.partial(_measure, results, eval_store, the_teacher if online else None,
+                              eval_cfg=c.eval, chunk_size=c.loss.chunk_size or None)
   measure("student_init", models.start(c.student)[0])
   weights = [os.path.join(c.teacher.hf_path, name) for name in
              ("model.safetensors", "model.safetensors.index.json")]
@@ -183,6 +181,18 @@ def stage_eval(c, paths: Paths):
   evaluate.write_report(results, paths.eval_file, paths.curves_file,
                         {name: paths.metrics(name) for name in ("student", "baseline")})
   return results
+
+
+def _measure(results: dict, eval_store, the_teacher, name: str, model, *, eval_cfg,
+             chunk_size: int | None):
+  """results[name]: the model on the held-out split, against the teacher run beside it (online)
+  or against the cache (the_teacher None)."""
+  kw = dict(batch_size=eval_cfg.batch_size, max_seqs=eval_cfg.max_seqs, chunk_size=chunk_size,
+            desc=f"eval {name}")
+  if the_teacher is not None:
+    results[name] = evaluate.evaluate_online(model, the_teacher, eval_store, **kw)
+  else:
+    results[name] = evaluate.evaluate(model, eval_store, **kw)
 
 
 def stage_export(c, paths: Paths):
