@@ -1,0 +1,64 @@
+"""experiments/studies/recipe_study.py's schedule: which arms run, in which order, and when it
+is done (no GPU: results are made up)."""
+import json
+import os
+
+from experiments.studies import recipe_study as rs
+
+
+def done(root, which):
+  os.makedirs(rs.prep_dir(root, which), exist_ok=True)
+  with open(os.path.join(rs.prep_dir(root, which), "prep_done.json"), "w") as f:
+    json.dump({}, f)
+
+
+def finish(lines, arms, ce):
+  for a in arms:
+    lines[rs.arm_name(a)] = dict(a, arm=rs.arm_name(a), ce=ce(a))
+
+
+def run_all(lines, root, ce):
+  """Runs the schedule to its end; the arms in the order they became runnable."""
+  order = []
+  for _ in range(20):
+    todo, later = rs.schedule(lines, root)
+    if not todo:
+      assert not later
+      return order
+    order += [rs.arm_name(a) for a in todo]
+    finish(lines, todo, ce)
+  raise AssertionError("the schedule never ends")
+
+
+def screen_ce(a):
+  """Hard labels best; among distilled recipes the larger CE weight; lr 3e-3 beats 1e-3."""
+  base = 3.0 if a["lr"] == 3e-3 else 3.4
+  return base + (0.0 if a["objective"] == "hard" else 0.1 - 0.1 * a["ce_weight"])
+
+
+def test_finals_of_hard_labels_and_the_leader_come_first(tmp_path):
+  lines = {}
+  todo, later = rs.schedule(lines, str(tmp_path))
+  assert later and all(a["phase"] == "screen" and a["seed"] == 0 for a in todo)
+  finish(lines, todo, screen_ce)
+  todo, _ = rs.schedule(lines, str(tmp_path))
+  names = [rs.arm_name(a) for a in todo]
+  assert names[:4] == ["hard_lr0.003_50.1M_seed0", "hard_lr0.003_50.1M_seed1",
+                       "tail_ce0.5_lr0.003_50.1M_seed0", "tail_ce0.5_lr0.003_50.1M_seed1"]
+  assert names[4:6] == ["hard_lr0.003_12.6M_seed1", "tail_ce0.5_lr0.003_12.6M_seed1"]
+
+
+def test_a_better_corrected_teacher_gets_finals_and_every_phase_ends(tmp_path):
+  root = str(tmp_path)
+  for which in ("sampled_ids", "corrected"):
+    done(root, which)
+  for better, expect in ((0.2, True), (-0.2, False)):
+    lines = {}
+    ce = lambda a: screen_ce(a) - (better if a["teacher"] == "corrected" else 0.0)  # noqa: E731
+    order = run_all(lines, root, ce)
+    corrected_finals = [n for n in order if n.startswith("corrected_") and "50.1M" in n]
+    assert bool(corrected_finals) == expect, order
+    # The control: each objective at each lr on seed 0, then seed 1 at its best.
+    control = [n for n in order if n.startswith("sampled_ids_")]
+    assert len(control) == 3 * len(rs.LRS) + 3
+    assert "online_lr0.003_12.6M_seed0" in order and "hard_lr0.01_12.6M_seed0" in order
