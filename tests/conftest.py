@@ -21,14 +21,6 @@ import os
 import secrets
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# On the CPU most of a test's time is XLA compiling, and most of that is LLVM optimising the
-# machine code: at optimisation level 0 programs compile 2-3x faster, and the tests' small arrays
-# run about as fast (matmuls are library calls either way). XLA's own HLO passes are the same.
-# Set before jax starts; test subprocesses inherit it (those that set XLA_FLAGS add to it).
-if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ.get(
-    "XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-      f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402
 

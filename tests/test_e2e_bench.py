@@ -1,7 +1,6 @@
 """experiments/bench/e2e_bench.py runs as committed: its student and teacher modes on a CPU-sized
 config."""
 import json
-import os
 import subprocess
 import sys
 
@@ -12,8 +11,8 @@ pytestmark = pytest.mark.slow  # whole runs in subprocesses: not in the fast sub
 
 def run(tmp_path, *args, config="configs/8k.py:smoke", devices=1, docs="3"):
   out = tmp_path / "e2e.jsonl"
-  env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "XLA_FLAGS": (
-      f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}")}
+  env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
+         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
   subprocess.run([sys.executable, "-m", "experiments.bench.e2e_bench", *args, "--config",
                   config, "--seq-len", "128", "--docs", docs, "--json", str(out),
                   "--dir", str(tmp_path / "work")], check=True, env=env)
@@ -63,8 +62,7 @@ def test_paper_table_runs_all_four_methods(tmp_path):
   subprocess.run([sys.executable, "-m", "experiments.bench.paper_table",
                   "--config", "configs/8k.py:smoke", "--micro-steps", "1", "--out", str(out),
                   "--dir", str(tmp_path / "work")],
-                 check=True, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
-                      "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")})
+                 check=True, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
   rows = {r["method"]: r for r in map(json.loads, out.read_text().splitlines())}
   assert set(rows) == {"online", "dense", "chunked", "ours"}
   assert all(r["iteration_s"] > 0 for r in rows.values())

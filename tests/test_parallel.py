@@ -19,8 +19,7 @@ import sys
 
 if __name__ == "__main__":
   if sys.argv[1] == "mesh":  # one process, 8 devices; else one of two processes, 1 device each
-    os.environ["XLA_FLAGS"] = (
-        f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8")
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
   os.environ["JAX_PLATFORMS"] = "cpu"
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -327,7 +326,7 @@ def test_every_stage_under_mesh_shapes(tmp_path, shape):
   cache stage's teacher steps (collectives over 8 devices) once aborted in XLA's rendezvous
   when a region's batches were all dispatched at once (parallel.in_flight)."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"}
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   data, fsdp, tensor = shape
   proc = subprocess.run(
       [sys.executable, "-m", "kdjax.main", "--config=configs/demo.py:smoke",

@@ -183,8 +183,7 @@ print(json.dumps(out))
 
 
 def test_partitioned_op_keeps_the_rows_split():
-  env = {**os.environ,
-         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
          "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
   out = subprocess.run([sys.executable, "-c", MESH_CHILD], env=env, capture_output=True,
                        text=True, timeout=300)
