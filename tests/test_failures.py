@@ -8,6 +8,7 @@ in the log lines. Faults land at exact steps (failpoints), never at a moment cho
 the timeouts are generous for a loaded 2-core machine."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -81,7 +82,15 @@ def result(workdir) -> dict:
 def unbroken(tmp_path_factory, main_compile_cache):
   workdir = tmp_path_factory.mktemp("unbroken")
   assert [p["rc"] for p in run_two(workdir, main_compile_cache)] == [0, 0]
-  return result(workdir)
+  return {**result(workdir), "workdir": workdir}
+
+
+def finished_stages(workdir, done_workdir, *parts):
+  """Copies the finished stages' folders (`parts` of data, teacher, cache) of the unbroken run
+  into workdir: the run made there skips those stages (as its resumption skips what it
+  finished) and goes straight to the one a fault is injected in."""
+  for part in parts:
+    shutil.copytree(done_workdir / part, workdir / part)
 
 
 def assert_resumes(workdir, unbroken, compile_cache):
@@ -95,13 +104,16 @@ def assert_resumes(workdir, unbroken, compile_cache):
 
 
 @pytest.mark.slow  # a few minutes: two-process runs of the smoke demo, broken and resumed
-@pytest.mark.parametrize("failpoint, armed", [
-    (f"step:{PRETRAIN_STEPS + 2}:kill", 1), ("batch:3:kill", 1), ("batch:3:kill", 0)],
-    ids=["train", "cache", "coordinator"])
-def test_one_process_killed(tmp_path, unbroken, main_compile_cache, failpoint, armed):
+@pytest.mark.parametrize("failpoint, armed, done", [
+    ("step:2:kill", 1, ("data", "teacher", "cache")), ("batch:3:kill", 1, ("data", "teacher")),
+    ("batch:3:kill", 0, ("data", "teacher"))], ids=["train", "cache", "coordinator"])
+def test_one_process_killed(tmp_path, unbroken, main_compile_cache, failpoint, armed, done):
   """Process 1 killed at train's step 2 or at its third batch of the cache stage, or process 0
   (it holds the coordination service) at its third cache batch: the other names it and exits
-  EXIT_LOST within 2 minutes; the same command resumes to the unbroken result."""
+  EXIT_LOST within 2 minutes; the same command resumes to the unbroken result. The stages
+  before the one killed are the unbroken run's, finished (no pretraining steps: train's step 2
+  is the run's second)."""
+  finished_stages(tmp_path, unbroken["workdir"], *done)
   out = run_two(tmp_path, main_compile_cache, failpoint, armed=armed)
   killed, survivor = out[armed], out[1 - armed]
   assert killed["rc"] == -9
@@ -120,8 +132,9 @@ def test_one_process_killed(tmp_path, unbroken, main_compile_cache, failpoint, a
 def test_sigterm_saves_the_same_step_everywhere(tmp_path, unbroken, main_compile_cache):
   """SIGTERM to process 1 at train's step 2: both stop after the same step (proposed by process
   1, read by both), save it (one checkpoint, written by both), exit 130, and the same command
-  resumes to the unbroken result."""
-  out = run_two(tmp_path, main_compile_cache, f"step:{PRETRAIN_STEPS + 2}:term")
+  resumes to the unbroken result. Data, teacher and cache are the unbroken run's, finished."""
+  finished_stages(tmp_path, unbroken["workdir"], "data", "teacher", "cache")
+  out = run_two(tmp_path, main_compile_cache, "step:2:term")
   assert [p["rc"] for p in out] == [130, 130], out[0]["stderr"][-3000:]
   saved = [[line.rsplit(" ", 1)[1] for line in p["stderr"].splitlines()
             if "student: interrupted; saved step" in line] for p in out]
@@ -132,9 +145,11 @@ def test_sigterm_saves_the_same_step_everywhere(tmp_path, unbroken, main_compile
 
 
 @pytest.mark.slow
-def test_an_error_in_one_process_ends_the_other(tmp_path, main_compile_cache):
+def test_an_error_in_one_process_ends_the_other(tmp_path, unbroken, main_compile_cache):
   """Process 1 fails on its own (an exception at its third cache batch): it exits 1 with its
-  traceback, and process 0, wherever it waits for it, names it and exits EXIT_LOST."""
+  traceback, and process 0, wherever it waits for it, names it and exits EXIT_LOST. Data and
+  teacher are the unbroken run's, finished."""
+  finished_stages(tmp_path, unbroken["workdir"], "data", "teacher")
   out = run_two(tmp_path, main_compile_cache, "batch:3:raise",
                 "--config.stages=('data', 'pretrain', 'cache')")
   assert [p["rc"] for p in out] == [peers.EXIT_LOST, 1], out[0]["stderr"][-3000:]
@@ -144,8 +159,10 @@ def test_an_error_in_one_process_ends_the_other(tmp_path, main_compile_cache):
 
 
 @pytest.mark.slow
-def test_a_stalled_process_is_named(tmp_path, main_compile_cache):
-  """Process 1 sleeps 2 s before each of its training batches: process 0's log lines name it."""
+def test_a_stalled_process_is_named(tmp_path, unbroken, main_compile_cache):
+  """Process 1 sleeps 2 s before each of its training batches: process 0's log lines name it.
+  The data are the unbroken run's, finished."""
+  finished_stages(tmp_path, unbroken["workdir"], "data")
   out = run_two(tmp_path, main_compile_cache, "step:1:stall",
                 "--config.stages=('data', 'pretrain')")
   assert [p["rc"] for p in out] == [0, 0], out[0]["stderr"][-3000:]
@@ -159,7 +176,9 @@ def test_a_stalled_process_is_named(tmp_path, main_compile_cache):
 def test_sigterm_in_the_cache_stops_every_process(tmp_path, unbroken, main_compile_cache):
   """SIGTERM to process 1 at its third cache batch: process 1 stops before its next region,
   process 0 before its next region or in the barrier after its last; both exit 130 with the
-  cache unfinished, and the same command resumes to the unbroken result."""
+  cache unfinished, and the same command resumes to the unbroken result. Data and teacher are
+  the unbroken run's, finished."""
+  finished_stages(tmp_path, unbroken["workdir"], "data", "teacher")
   out = run_two(tmp_path, main_compile_cache, "batch:3:term")
   assert [p["rc"] for p in out] == [130, 130], out[0]["stderr"][-3000:] + out[1]["stderr"][-3000:]
   assert all("Traceback" not in p["stderr"] for p in out)
