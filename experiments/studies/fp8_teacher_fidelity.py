@@ -26,8 +26,10 @@ import json
 import os
 import time
 
+import jax
 import numpy as np
 
+from experiments.bench import e2e_bench
 from kdjax import cache, teacher, tokenizer
 from kdjax.data import stage
 from kdjax.models import fp8, hf
@@ -117,9 +119,6 @@ def main():
     stores[which], rates[which] = write(args, tok, data, which)
   rows = data.num_seqs if args.rows == 0 else min(args.rows, data.num_seqs)
   line = compare(stores["bf16"], stores["fp8"], rows, tokenizer.real_vocab_size(tok))
-  import jax
-
-  from experiments.bench import e2e_bench
   line.update(rows=rows, positions_per_s={w: round(r) for w, r in rates.items()},
               device=jax.devices()[0].device_kind, commit=e2e_bench.commit(),
               date=e2e_bench.today(), command="python -m experiments.studies.fp8_teacher_fidelity")

@@ -88,11 +88,10 @@ def recipe(a: dict) -> tuple:
 def best_lr(lines: dict, r: tuple, phase: str = "screen", data: str = "real") -> float | None:
   """The best lr (lowest held-out CE on seed 0) of recipe r (objective, ce weight, teacher) in a
   phase, once it ran at every one of LRS."""
-  lrs = LRS
   ces = {a["lr"]: a["ce"] for a in lines.values()
          if a["phase"] == phase and a["data"] == data and a["seed"] == 0 and recipe(a) == r
-         and a["lr"] in lrs}
-  return min(ces, key=ces.get) if len(ces) == len(lrs) else None
+         and a["lr"] in LRS}
+  return min(ces, key=ces.get) if len(ces) == len(LRS) else None
 
 
 def seed_ces(lines: dict, r: tuple, lr: float, phase: str = "screen") -> list[float]:

@@ -46,7 +46,8 @@ def _chunk_terms(h_CxD, w_DxV, th_CxD, tw_DxV, labels_C, temperature, teacher_la
                ce=-at_label(logq1_CxV), confidence=jnp.exp(jnp.max(logq1_CxV, axis=-1)),
                correct=argmax_C == labels_C)
   if teacher_label:
-    terms["teacher_ce"] = -at_label(jax.nn.log_softmax(zt_CxV, axis=-1))
+    logp1_CxV = logp_CxV if temperature == 1.0 else jax.nn.log_softmax(zt_CxV, axis=-1)
+    terms["teacher_ce"] = -at_label(logp1_CxV)
     terms["teacher_rank"] = jnp.sum(zt_CxV > at_label(zt_CxV)[:, None], axis=-1)
   return terms
 
