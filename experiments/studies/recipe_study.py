@@ -21,12 +21,20 @@ priority among those runnable):
           distribution is the data's, so a student's held-out CE minus the teacher's is its KL
           to the teacher, and distillation should win. Hard labels, `tail` and `online` at each
           of LRS (seed 0), then seed 1 at each one's best; 4M tokens, 16 rows a step.
-  Then seed 1 of the other screen recipes.
   correct the teacher corrected first (stage pretrain from its checkpoint on the train split,
           CORRECTION below, one setting chosen before the study), its cache written; `tail`
           and `tail` + 0.5 CE trained on it at 12.6M at the screen's lr for that recipe, seed 0,
           then seed 1 of the better; the student is pruned from the original teacher, as in
           every other arm.
+  wide    the wider student (WIDE: depth-pruned only, d 576, ~64M): hard labels and the leading
+          recipe at their lrs, 12.6M, seed 0 then seed 1.
+  online  the leading recipe's CE weight and lr with the teacher in the step (no top-k) and
+          each divergence of ONLINE: forward, reverse, DistiLLM's skew forward and skew reverse
+          KL (loss.skew 0.1), and forward at temperature 2 (exact without a cache); 12.6M,
+          seed 0.
+The order among runnable arms: the screen, the finals, the control, seed 1 of hard labels and the
+leader, the corrected teacher, its finals, the wide student, the online divergences, the edge
+lrs, lr 3e-4, then seed 1 of the other screen recipes.
 Every arm shares the data store and the learning-rate schedule's shape (warmup a tenth of the
 steps at most 40, cosine to 10%), 64 rows x 2048 tokens a step. Each finished arm is measured
 on the held-out split (whole works and packages never trained on; --eval-rows rows) against the
@@ -62,26 +70,40 @@ CORRECTED = (("tail", 0.0), ("tail", 0.5))  # trained on the corrected teacher's
 SCREEN, FINAL, CONTROL = 12_582_912, 50_069_504, 4_000_000  # training tokens
 CONTROL_ROWS = 16  # rows a step on the sampled text (4M tokens: 123 steps)
 CORRECTION = dict(lr=3e-4, steps=40, warmup_steps=4)  # 5.2M tokens of the train split
+# The wider student: the teacher's width, heads and MLP, 10 of its 30 layers (64M parameters).
+WIDE = dict(d_model=576, n_layers=10, n_heads=9, n_kv_heads=3, d_ff=1536)
+ONLINE = (("forward", 1.0), ("reverse", 1.0), ("skew_forward", 1.0), ("skew_reverse", 1.0),
+          ("forward", 2.0))  # (loss.divergence, loss.temperature) of the online arms
 COMPLETION_PROMPTS = 1024  # next-line questions, from the first PROMPT_ROWS held-out rows
 PROMPT_ROWS = 256
 SAMPLED = "corpus_sampled_ids"  # the teacher's samples as token ids (sample_teacher.py)
 
 
 def arm(objective: str, ce: float, lr: float, seed: int, tokens: int, phase: str,
-        teacher: str = "original", data: str = "real") -> dict:
+        teacher: str = "original", data: str = "real", student: str = "35M",
+        divergence: str = "forward", temperature: float = 1.0) -> dict:
   return dict(phase=phase, objective=objective, ce_weight=ce, lr=lr, seed=seed, tokens=tokens,
               teacher=teacher, data=data, init="pruned", k=100 if objective == "tail" else 0,
-              hidden=0.0)
+              hidden=0.0, student=student, divergence=divergence, temperature=temperature)
 
 
 def arm_name(a: dict) -> str:
   recipe = a["objective"] + (f"_ce{a['ce_weight']:g}" if a["ce_weight"] else "")
+  recipe += "" if a.get("divergence", "forward") == "forward" else f"_{a['divergence']}"
+  recipe += "" if a.get("temperature", 1.0) == 1.0 else f"_T{a['temperature']:g}"
   where = "" if a["data"] == "real" else f"{a['data']}_"
   teacher = "" if a["teacher"] == "original" else f"{a['teacher']}_"
-  return f"{where}{teacher}{recipe}_lr{a['lr']:g}_{a['tokens'] / 1e6:.3g}M_seed{a['seed']}"
+  student = "" if a.get("student", "35M") == "35M" else f"{a['student']}_"
+  return (f"{where}{student}{teacher}{recipe}_lr{a['lr']:g}_{a['tokens'] / 1e6:.3g}M_"
+          f"seed{a['seed']}")
 
 
 def recipe(a: dict) -> tuple:
+  """(objective, ce weight, teacher); None for the wide student's and the online divergences'
+  arms, which no lr search or leader reads."""
+  if (a.get("student", "35M"), a.get("divergence", "forward"),
+      a.get("temperature", 1.0)) != ("35M", "forward", 1.0):
+    return None
   return (a["objective"], a["ce_weight"], a["teacher"])
 
 
@@ -187,19 +209,26 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
                       teacher="corrected"))
   elif correct:
     later = True
-  todo += seed1[len(first):]
   if correct:
     decided, chosen = corrected_finalist(lines)
     later |= not decided
     if chosen is not None:
       (o, ce, teacher), lr = chosen
       todo += [arm(o, ce, lr, s, final_tokens, "final", teacher=teacher) for s in (0, 1)]
-  if lead is not None:  # Is the best lr inside the grid? Hard labels and the leader above it.
+  if lead is not None and hard_lr is not None:
+    (o, ce, _), lr = lead
+    wide = [arm("hard", 0.0, hard_lr, s, screen, "wide", student="64M") for s in (0, 1)]
+    wide += [arm(o, ce, lr, s, screen, "wide", student="64M") for s in (0, 1)]
+    todo += wide[::2]  # seed 0 of both
+    todo += [arm("online", ce, lr, 0, screen, "online", divergence=d, temperature=t)
+             for d, t in ONLINE]
+    todo.append(arm("online", 0.0, hard_lr, 0, screen, "screen"))  # online alone, as screened
+    # Is the best lr inside the grid? Hard labels and the leader above it.
     todo += [arm(o2, ce2, lr2, 0, screen, "screen") for lr2 in EDGE_LRS
-             for o2, ce2 in (("hard", 0.0), lead[0][:2])]
-  if hard_lr is not None:  # online (full-vocabulary KL, no top-k) on the real text
-    todo.append(arm("online", 0.0, hard_lr, 0, screen, "screen"))
+             for o2, ce2 in (("hard", 0.0), (o, ce))]
+    todo += wide[1::2]
   todo += [arm(o, ce, lr, 0, screen, "screen") for lr in LAST_LRS for o, ce in OBJECTIVES]
+  todo += seed1[len(first):]
   return [a for a in todo if arm_name(a) not in lines], later
 
 
@@ -281,7 +310,10 @@ def arm_config(root: str, a: dict, variant: str):
   c.opt.lr = a["lr"]
   c.stages = ("baseline",) if a["objective"] == "hard" else ("train",)
   c.loss.update(objective="tail" if a["objective"] == "hard" else a["objective"],
-                ce_weight=a["ce_weight"])
+                ce_weight=a["ce_weight"], divergence=a.get("divergence", "forward"),
+                temperature=a.get("temperature", 1.0))
+  if a.get("student", "35M") == "64M":
+    c.student.update(**WIDE)
   c.cache.k = a["k"] or c.cache.k
   link(os.path.join(prep_dir(root, "sampled_ids" if which == "sampled_ids" else "original"),
                     "data"), os.path.join(c.workdir, "data"))

@@ -6,7 +6,15 @@ step, the paper's "online" method, or held-out evaluation against a teacher run 
 
     full_kl = tau^2 * sum_V p_tau (log p_tau - log q_tau),   p = softmax(z_t), q = softmax(z_s)
 
-per position, averaged over the masked ones. Per chunk of C positions both [C, V] float32 logits
+per position, averaged over the masked ones. The student may instead be trained on another
+divergence of the same two distributions (`divergence`; the metric "kl" stays the one above):
+
+    reverse       KL(q || p)
+    skew_forward  KL(p || a p + (1 - a) q)    DistiLLM's skew KL (Ko et al. 2024), a = skew
+    skew_reverse  KL(q || a q + (1 - a) p)    its skew reverse KL
+
+each times tau^2, at temperature tau; the student's gradient flows through q wherever it appears
+(the mixtures included). Per chunk of C positions both [C, V] float32 logits
 exist, and the chunk is recomputed in the backward pass (jax.checkpoint), so memory holds a few
 [C, V] blocks (one chunk's) whatever the number of positions. Gradients flow to the student's
 hidden states and lm_head only. With per_position, also per position: top1 (the student's argmax
@@ -19,25 +27,46 @@ own), V vocabulary.
 import jax
 import jax.numpy as jnp
 
+from kdjax import choices
+
 # Positions per chunk unless given: both [C, V] float32 logits within this many bytes.
 CHUNK_BYTES = 256 * 2**20
 POSITION_TERMS = ("kl", "top1", "entropy", "ce", "confidence", "correct")
+DIVERGENCES = choices.DIVERGENCES
 
 
 def default_chunk(num_rows: int, vocab: int) -> int:
   return max(1, min(num_rows, CHUNK_BYTES // (2 * 4 * vocab)))
 
 
-def _chunk_terms(h_CxD, w_DxV, th_CxD, tw_DxV, labels_C, temperature, teacher_label=False):
+def divergence_C(logp_CxV, logq_CxV, divergence: str, skew: float):
+  """The per-position divergence (module docstring) of teacher log-probs logp and student
+  log-probs logq, both at the same temperature, without its tau^2."""
+  kl = lambda loga_CxV, logb_CxV: jnp.sum(jnp.exp(loga_CxV) * (loga_CxV - logb_CxV), axis=-1)
+  mix = lambda loga_CxV, logb_CxV: jnp.logaddexp(jnp.log(skew) + loga_CxV,
+                                                 jnp.log1p(-skew) + logb_CxV)
+  if divergence == "forward":
+    return kl(logp_CxV, logq_CxV)
+  if divergence == "reverse":
+    return kl(logq_CxV, logp_CxV)
+  if divergence == "skew_forward":
+    return kl(logp_CxV, mix(logp_CxV, logq_CxV))
+  if divergence == "skew_reverse":
+    return kl(logq_CxV, mix(logq_CxV, logp_CxV))
+  raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+
+
+def _chunk_terms(h_CxD, w_DxV, th_CxD, tw_DxV, labels_C, temperature, teacher_label=False,
+                 divergence="forward", skew=0.1):
   """Per-position terms of one chunk (th, tw: the teacher's, of its own width D); with
   teacher_label also the teacher's CE on the label and the label's rank among the teacher's
-  logits (0: its top-1)."""
+  logits (0: its top-1); with a divergence other than forward also that one ("divergence")."""
   z_CxV = jnp.einsum("cd,dv->cv", h_CxD, w_DxV, preferred_element_type=jnp.float32)
   zt_CxV = jax.lax.stop_gradient(
       jnp.einsum("cd,dv->cv", th_CxD, tw_DxV, preferred_element_type=jnp.float32))
   logq_CxV = jax.nn.log_softmax(z_CxV / temperature, axis=-1)
   logp_CxV = jax.nn.log_softmax(zt_CxV / temperature, axis=-1)
-  kl_C = temperature * temperature * jnp.sum(jnp.exp(logp_CxV) * (logp_CxV - logq_CxV), axis=-1)
+  kl_C = temperature * temperature * divergence_C(logp_CxV, logq_CxV, "forward", skew)
   argmax_C = jnp.argmax(z_CxV, axis=-1)
   logq1_CxV = jax.nn.log_softmax(z_CxV, axis=-1)
   at_label = lambda x_CxV: jnp.take_along_axis(x_CxV, labels_C[:, None], axis=-1)[:, 0]
@@ -45,6 +74,9 @@ def _chunk_terms(h_CxD, w_DxV, th_CxD, tw_DxV, labels_C, temperature, teacher_la
                entropy=-jnp.sum(jnp.exp(logq_CxV) * logq_CxV, axis=-1),
                ce=-at_label(logq1_CxV), confidence=jnp.exp(jnp.max(logq1_CxV, axis=-1)),
                correct=argmax_C == labels_C)
+  if divergence != "forward":
+    terms["divergence"] = temperature * temperature * divergence_C(logp_CxV, logq_CxV,
+                                                                   divergence, skew)
   if teacher_label:
     logp1_CxV = logp_CxV if temperature == 1.0 else jax.nn.log_softmax(zt_CxV, axis=-1)
     terms["teacher_ce"] = -at_label(logp1_CxV)
@@ -54,8 +86,9 @@ def _chunk_terms(h_CxD, w_DxV, th_CxD, tw_DxV, labels_C, temperature, teacher_la
 
 def full_kl_loss(hidden, lm_head, teacher_hidden, teacher_head, mask, *, temperature=1.0,
                  labels=None, ce_weight=0.0, chunk_size=None, per_position=False,
-                 teacher_label=False):
-  """Mean over masked positions of the full-vocabulary KL + ce_weight * CE(labels); with
+                 teacher_label=False, divergence="forward", skew=0.1):
+  """Mean over masked positions of the full-vocabulary KL (or the divergence named, see the
+  module docstring; skew: its mixture weight a) + ce_weight * CE(labels); with
   per_position, (loss, {term: [...]}) (POSITION_TERMS; entropy: the student's, at tau; with
   teacher_label and labels also teacher_ce and teacher_rank, see _chunk_terms).
 
@@ -73,6 +106,10 @@ def full_kl_loss(hidden, lm_head, teacher_hidden, teacher_head, mask, *, tempera
     raise ValueError(f"temperature must be > 0, got {temperature}")
   if ce_weight != 0.0 and labels is None:
     raise ValueError(f"ce_weight={ce_weight} needs labels")
+  if divergence not in DIVERGENCES:
+    raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+  if divergence.startswith("skew") and not 0.0 < skew < 1.0:
+    raise ValueError(f"skew must be in (0, 1) for divergence {divergence!r}, got {skew}")
   num_rows, vocab = hidden.size // hidden.shape[-1], lm_head.shape[1]
   chunk = chunk_size or default_chunk(num_rows, vocab)
   padded = -(-num_rows // chunk) * chunk
@@ -88,7 +125,7 @@ def full_kl_loss(hidden, lm_head, teacher_hidden, teacher_head, mask, *, tempera
   def one(args):
     h_CxD, th_CxD, labels_C = args
     return _chunk_terms(h_CxD, lm_head, th_CxD, teacher_head, labels_C, temperature,
-                        teacher_label and labels is not None)
+                        teacher_label and labels is not None, divergence, skew)
 
   chunks = lambda x: x.reshape((padded // chunk, chunk) + x.shape[1:])
   terms = jax.lax.map(one, (chunks(h_NxD), chunks(th_NxD), chunks(labels_N)))
@@ -96,7 +133,8 @@ def full_kl_loss(hidden, lm_head, teacher_hidden, teacher_head, mask, *, tempera
   mask_N = mask_N[:num_rows]
   count = jnp.maximum(jnp.sum(mask_N), 1).astype(jnp.float32)
   mean = lambda x: jnp.sum(jnp.where(mask_N, x, 0.0)) / count
-  loss = mean(terms["kl"]) + (ce_weight * mean(terms["ce"]) if ce_weight else 0.0)
+  trained = terms.pop("divergence", terms["kl"])
+  loss = mean(trained) + (ce_weight * mean(terms["ce"]) if ce_weight else 0.0)
   if not per_position:
     return loss
   if labels is None:

@@ -13,6 +13,8 @@ class LossSettings:
   dw_dtype: str
   position_metrics: bool = True
   hidden_weight: float = 0.0
+  divergence: str = "forward"  # objective "online" only (kdjax.loss.full_kl)
+  skew: float = 0.1
 
   @classmethod
   def from_config(cls, g, hard_labels: bool) -> "LossSettings":
@@ -21,4 +23,4 @@ class LossSettings:
     if hard_labels:
       return cls("sparse", 1.0, 0.0, g.impl, g.chunk_size, g.dw_dtype, g.position_metrics)
     return cls(g.objective, g.temperature, g.ce_weight, g.impl, g.chunk_size, g.dw_dtype,
-               g.position_metrics, g.hidden_weight)
+               g.position_metrics, g.hidden_weight, g.divergence, g.skew)

@@ -53,7 +53,8 @@ def _kl(hidden_BxTxD, lm_head_DxV, batch, settings, vocab_axis=None):
         hidden_BxTxD, lm_head_DxV, batch["teacher_hidden"], batch["teacher_head"],
         batch["loss_mask"],
         temperature=settings.temperature, labels=batch["labels"], ce_weight=settings.ce_weight,
-        chunk_size=settings.chunk_size or None, per_position=True)
+        chunk_size=settings.chunk_size or None, per_position=True,
+        divergence=settings.divergence, skew=settings.skew)
     return value, _masked_means({k: terms[k] for k in ("kl", "ce", "top1", "entropy")},
                                 batch["loss_mask"])
   per_position = settings.position_metrics and topk_kl.has_position_terms(settings.impl)
