@@ -64,18 +64,25 @@ def teachers(root: str) -> str:
 
 def plot(lines: list[dict], png: str, root: str = ""):
   """Training CE over training tokens (lines) and held-out CE (dots), one panel each: the real
-  text's final arms (before they ran, the screen's seed 0 at its best lr) and the control on the
+  text's final arms (before they ran, the screen's seed 0 at its best lr), the 12.6M screen's
+  hard labels, best distilled recipes and online arms (lr 3e-3, seed 0), and the control on the
   teacher's own samples at lr 3e-3. Each arm's metrics.jsonl is read under ROOT/study/ (the
-  study's --root) or, without a root, from the workdir its line names."""
+  study's --root) or, without a root, from the workdir its line names; an arm without one is a
+  labelled dot."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   real = [r for r in lines if r["phase"] == "final"] or [
       r for r in lines if r["phase"] == "screen" and r["seed"] == 0 and r["lr"] == 3e-3]
+  screen = [r for r in lines if r["seed"] == 0 and r["lr"] == 3e-3 and r["data"] == "real"
+            and r["tokens"] < 20e6 and r.get("student", "35M") == "35M"
+            and (r["objective"] in ("hard", "online") or r["ce_weight"] == 0.5)
+            and r.get("divergence", "forward") == "forward" and r.get("temperature", 1.0) == 1]
   control = [r for r in lines if r["phase"] == "control" and r["data"] == "sampled_ids"
              and r["lr"] == 3e-3]
   panels = [(rs, title, ylim) for rs, title, ylim in (
       (real, "real held-out text (Python sources, Shakespeare)", (1.5, 4.0)),
+      (screen, "the same, 12.6M tokens, seed 0", (2.5, 4.5)),
       (control, "the teacher's own samples (token ids), 4M tokens", (3.5, 6.5))) if rs]
   if not panels:
     return
@@ -87,14 +94,15 @@ def plot(lines: list[dict], png: str, root: str = ""):
       color = colors.setdefault(label, f"C{len(colors)}")
       workdir = os.path.join(root, "study", r["arm"]) if root else r["workdir"]
       metrics = os.path.join(workdir, r["run"], "metrics.jsonl")
+      held_out = f"{label}, seed {r['seed']} (held out {r['ce']:.3f})"
       if os.path.exists(metrics):
         with open(metrics) as f:
           steps = [json.loads(x) for x in f]
         per_step = r["train_tokens"] / r["steps"]
         ax.plot([s["step"] * per_step / 1e6 for s in steps], [s["ce"] for s in steps],
-                color=color, ls=("-", ":")[r["seed"] % 2], lw=1,
-                label=f"{label}, seed {r['seed']} (held out {r['ce']:.3f})")
-      ax.plot([r["train_tokens"] / 1e6], [r["ce"]], "o", color=color)
+                color=color, ls=("-", ":")[r["seed"] % 2], lw=1, label=held_out)
+      ax.plot([r["train_tokens"] / 1e6], [r["ce"]], "o", color=color,
+              label=None if os.path.exists(metrics) else held_out)
     ax.set(xlabel="training tokens (M)", title=f"{title}, lr {shown[0]['lr']:g}", ylim=ylim)
     ax.legend(fontsize=7)
   axes[0][0].set_ylabel("CE on the true tokens (nats)")

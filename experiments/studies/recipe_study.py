@@ -22,7 +22,8 @@ priority among those runnable):
           to the teacher, and distillation should win. Hard labels, `tail` and `online` at each
           of LRS (seed 0), then seed 1 at each one's best; 4M tokens, 16 rows a step.
   correct the teacher corrected first (stage pretrain from its checkpoint on the train split,
-          CORRECTION below, one setting chosen before the study), its cache written; `tail`
+          configs/smollm2.py's pretrain group, one setting chosen before the study), its cache
+          written; `tail`
           and `tail` + 0.5 CE trained on it at 12.6M at the screen's lr for that recipe, seed 0,
           then seed 1 of the better; the student is pruned from the original teacher, as in
           every other arm.
@@ -69,7 +70,6 @@ CONTROL_OBJECTIVES = (("hard", 0.0), ("tail", 0.0), ("online", 0.0))
 CORRECTED = (("tail", 0.0), ("tail", 0.5))  # trained on the corrected teacher's cache
 SCREEN, FINAL, CONTROL = 12_582_912, 50_069_504, 4_000_000  # training tokens
 CONTROL_ROWS = 16  # rows a step on the sampled text (4M tokens: 123 steps)
-CORRECTION = dict(lr=3e-4, steps=40, warmup_steps=4)  # 5.2M tokens of the train split
 # The wider student: the teacher's width, heads and MLP, 10 of its 30 layers (64M parameters).
 WIDE = dict(d_model=576, n_layers=10, n_heads=9, n_kv_heads=3, d_ff=1536)
 ONLINE = (("forward", 1.0), ("reverse", 1.0), ("skew_forward", 1.0), ("skew_reverse", 1.0),
@@ -253,12 +253,8 @@ def prep_config(root: str, which: str, variant: str = ""):
     c.data.source = os.path.join(root, SAMPLED, "train.jsonl")
     c.data.eval_source = os.path.join(root, SAMPLED, "eval.jsonl")
     c.data.max_bytes = 0
-  elif which == "corrected":
+  elif which == "corrected":  # the config's correction (its pretrain group)
     c.stages = ("pretrain", "cache")  # the original prep's data, linked
-    c.pretrain = c.opt.copy_and_resolve_references()
-    c.pretrain.update(**CORRECTION)
-    if variant == "smoke":
-      c.pretrain.update(steps=2, warmup_steps=0, ckpt_every=2, log_every=1)
   return c
 
 
