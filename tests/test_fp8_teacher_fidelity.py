@@ -64,3 +64,31 @@ def test_compare_counts_masked_positions_only(rng):
   assert np.isclose(got["top10_missing"], 0.1) and np.isclose(got["overlap"], (k - 1) / k)
   np.testing.assert_allclose(got["top10_delta"], np.abs(
       a[1][m][:, :9] - lp_b[m][:, :9]).mean(), rtol=1e-9)
+
+
+def test_rowwise_dot_and_the_variant_context(rng):
+  """--logits' per-row / per-column FP8 product: exact against the dequantised operands in
+  float64 (power-of-two scales, float32 accumulation of fp8 products), closer to x @ w than one
+  scale per tensor when rows differ in scale; fp8_variant restores kdjax's fp8 on exit."""
+  import jax.numpy as jnp
+
+  from kdjax.models import fp8
+  x = rng.normal(size=(9, 40)) * np.logspace(-3, 1, 9)[:, None]  # rows of very different scale
+  w = rng.normal(size=(40, 11)) * np.logspace(-2, 0, 11)[None, :]
+  got = np.asarray(fid._rowwise_dot(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)),
+                   np.float64)
+  fmax = 448.0
+  def deq(a, axis):
+    amax = np.abs(a).max(axis=axis, keepdims=True)
+    scale = 2.0 ** np.ceil(np.log2(amax / fmax))
+    q = np.asarray(jnp.asarray(a / scale, jnp.float32).astype(fp8.E4M3).astype(jnp.float32))
+    return q * scale
+  want = deq(x, 1) @ deq(w, 0)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9)
+  tensor = np.asarray(fp8.dot_reference(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)))
+  exact = x @ w
+  assert np.abs(got - exact).sum() < np.abs(tensor - exact).sum()
+  matmul, dot = fp8.matmul, fp8.dot
+  with fid.fp8_variant("row", ("btd,df->btf",)):
+    assert fp8.dot is fid._rowwise_dot and fp8.matmul is not matmul
+  assert (fp8.matmul, fp8.dot) == (matmul, dot)

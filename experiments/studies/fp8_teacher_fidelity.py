@@ -16,17 +16,25 @@ teacher (float32 layout), then compares the two caches per position, over the fi
   kl             KL(bf16 || fp8) between the two cached distributions as a `tail` student reads
                  them: the top 100, the rest of the mass spread evenly over the other ids
 
-and each pass's rate (positions/s, the write included). One JSON line to --results. A student
+and each pass's rate (positions/s, the write included). One JSON line to --results.
+
+With --logits, no caches: the teacher's full float32 logits on the first --rows rows under each
+variant of LOGIT_VARIANTS (bf16 alone; FP8 in every projection with per-tensor scales, as
+kdjax/models/fp8.py quantises; the same with one scale per row of x and per column of w; FP8 in
+one group of projections only) against the float32 teacher: full-vocabulary KL, mean |delta
+log p| over float32's 10 most likely ids, top-1 agreement. One JSON line per variant. A student
 distilled from each cache is the recipe study's 12.6M-token arm (experiments/studies/
 recipe_study.py) with cache.path set to each. Needs a GPU with FP8 tensor cores (an H100 or
 H200): elsewhere XLA emulates the FP8 products, slowly.
 """
 import argparse
+import contextlib
 import json
 import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from experiments.bench import e2e_bench
@@ -35,6 +43,13 @@ from kdjax.data import stage
 from kdjax.models import fp8, hf
 
 K, TOP = 100, 10
+# --logits: (name, compute dtype, FP8 scales per "tensor" or "row" (x's rows, w's columns), the
+# projections in FP8 by their einsum spec in kdjax/models/llama.py, None: all).
+PROJECTIONS = {"qkv": "btd,dhe->bthe", "o": "bthe,hed->btd", "gate_up": "btd,df->btf",
+               "down": "btf,fd->btd"}
+LOGIT_VARIANTS = [("bf16", "bfloat16", None, ()), ("fp8", "bfloat16", "tensor", None),
+                  ("fp8_rowwise", "bfloat16", "row", None)] + [
+    (f"fp8_{name}_only", "bfloat16", "tensor", (spec,)) for name, spec in PROJECTIONS.items()]
 
 
 def tail_kl(ids_p, logp, ids_q, logq, vocab: int) -> np.ndarray:
@@ -78,6 +93,70 @@ def compare(bf16, fp8_store, rows: int, vocab: int) -> dict:
           "top10_missing": 1.0 - sums["top10_found"] / (count * TOP), "kl": sums["kl"] / count}
 
 
+def _rowwise_dot(x_MxK, w_KxN):
+  """x @ w through FP8 with one power-of-two scale per row of x and per column of w (the scales
+  factor out of the contraction; fp8.quantize's rule along one axis)."""
+  fmax = float(jnp.finfo(fp8.E4M3).max)
+
+  def quantize(a, axis):
+    amax = jnp.max(jnp.abs(a), axis=axis, keepdims=True).astype(jnp.float32)
+    mantissa, exponent = jnp.frexp(jnp.where(amax > 0, amax / fmax, 1.0))
+    scale = jnp.ldexp(jnp.float32(1), jnp.where(mantissa == 0.5, exponent - 1, exponent))
+    return jnp.clip(a.astype(jnp.float32) / scale, -fmax, fmax).astype(fp8.E4M3), scale
+
+  (qx, sx), (qw, sw) = quantize(x_MxK, 1), quantize(w_KxN, 0)
+  y = jax.lax.dot_general(qx, qw, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+  return (y * sx * sw).astype(x_MxK.dtype)
+
+
+@contextlib.contextmanager
+def fp8_variant(scales: str | None, specs):
+  """kdjax/models/fp8.py's matmul limited to the projections `specs` (None: all), with the
+  scales asked for; restored on exit."""
+  matmul, dot = fp8.matmul, fp8.dot
+  fp8.matmul = lambda spec, x, w, use: matmul(spec, x, w, use and (specs is None or spec in specs))
+  if scales == "row":
+    fp8.dot = _rowwise_dot
+  try:
+    yield
+  finally:
+    fp8.matmul, fp8.dot = matmul, dot
+
+
+def _logprobs(model, data, rows: int, batch_size: int, vocab: int) -> tuple[np.ndarray, ...]:
+  """float32 log-probs [N, V] of the loss-mask positions of the first `rows` rows."""
+  out = []
+  for start in range(0, rows, batch_size):
+    batch = data.read(np.arange(start, min(start + batch_size, rows)), hidden=False)
+    hidden_BxTxD = model(*(jnp.asarray(batch[k]) for k in ("tokens", "positions", "segment_ids")))
+    logits_BxTxV = jnp.einsum("btd,dv->btv", hidden_BxTxD, model.lm_head_DxV(),
+                              preferred_element_type=jnp.float32)[..., :vocab]
+    out.append(np.asarray(jax.nn.log_softmax(logits_BxTxV, -1))[batch["loss_mask"]])
+  return np.concatenate(out)
+
+
+def logit_study(args, tok, data) -> list[dict]:
+  """--logits: each variant of LOGIT_VARIANTS against the float32 teacher."""
+  vocab = tokenizer.real_vocab_size(tok)
+  rows = data.num_seqs if args.rows == 0 else min(args.rows, data.num_seqs)
+  load = lambda dtype, on: hf.load(os.path.join(args.root, "hf"), dtype=dtype,  # noqa: E731
+                                   param_dtype="float32", tokenizer_vocab=vocab, fp8_matmuls=on)[0]
+  ref = _logprobs(load("float32", False), data, rows, args.batch_size, vocab).astype(np.float64)
+  top_NxT = np.argsort(-ref, -1)[:, :TOP]
+  lines = []
+  for name, dtype, scales, specs in LOGIT_VARIANTS:
+    with fp8_variant(scales, specs):
+      got = _logprobs(load(dtype, scales is not None), data, rows, args.batch_size, vocab)
+    got = got.astype(np.float64)
+    lines.append(dict(
+        variant=name, positions=len(ref), rows=rows,
+        full_kl=float((np.exp(ref) * (ref - got)).sum(-1).mean()),
+        top10_delta=float(np.abs(np.take_along_axis(ref - got, top_NxT, -1)).mean()),
+        top1_agreement=float((ref.argmax(-1) == got.argmax(-1)).mean())))
+    print(json.dumps(lines[-1]), flush=True)
+  return lines
+
+
 def write(args, tok, data, which: str) -> tuple[object, float]:
   model, _ = hf.load(os.path.join(args.root, "hf"), dtype="bfloat16", param_dtype="float32",
                      tokenizer_vocab=tokenizer.real_vocab_size(tok),
@@ -102,6 +181,8 @@ def main():
   parser.add_argument("--seq-len", type=int, default=2048)
   parser.add_argument("--batch-size", type=int, default=32)
   parser.add_argument("--chunk-size", type=int, default=512)
+  parser.add_argument("--logits", action="store_true",
+                      help="compare full logits against float32 by variant (no caches)")
   parser.add_argument("--results", default=os.path.join(
       os.path.dirname(__file__), "..", "results", "fp8_teacher.jsonl"))
   args = parser.parse_args()
@@ -114,6 +195,13 @@ def main():
   stage.build_stores(held_out, tok, args.seq_len, *paths, eval_every=1, eval_source=held_out,
                      max_bytes=args.max_bytes)
   data = cache.open(paths[0])
+  meta = dict(device=jax.devices()[0].device_kind, commit=e2e_bench.commit(),
+              date=e2e_bench.today())
+  if args.logits:
+    with open(args.results, "a") as f:
+      for line in logit_study(args, tok, data):
+        f.write(json.dumps(dict(line, study="logits", **meta)) + "\n")
+    return
   stores, rates = {}, {}
   for which in ("bf16", "fp8"):
     stores[which], rates[which] = write(args, tok, data, which)
