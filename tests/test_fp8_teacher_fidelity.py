@@ -73,8 +73,9 @@ def test_rowwise_dot_and_the_variant_context(rng):
   import jax.numpy as jnp
 
   from kdjax.models import fp8
-  x = rng.normal(size=(9, 40)) * np.logspace(-3, 1, 9)[:, None]  # rows of very different scale
+  x = rng.normal(size=(9, 40)) * np.logspace(-6, 1, 9)[:, None]  # rows of very different scale
   w = rng.normal(size=(40, 11)) * np.logspace(-2, 0, 11)[None, :]
+  w1 = rng.normal(size=(40, 11))
   got = np.asarray(fid._rowwise_dot(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)),
                    np.float64)
   fmax = 448.0
@@ -85,9 +86,12 @@ def test_rowwise_dot_and_the_variant_context(rng):
     return q * scale
   want = deq(x, 1) @ deq(w, 0)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9)
-  tensor = np.asarray(fp8.dot_reference(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)))
-  exact = x @ w
-  assert np.abs(got - exact).sum() < np.abs(tensor - exact).sum()
+  # Small rows lose their digits under one scale (worst ratio over 300 seeds: 0.18).
+  x32, w32 = jnp.asarray(x, jnp.float32), jnp.asarray(w1, jnp.float32)
+  row, tensor = (np.asarray(f(x32, w32), np.float64) for f in (fid._rowwise_dot, fp8.dot_reference))
+  exact = x @ w1
+  relative = lambda y: np.mean(np.linalg.norm(y - exact, axis=1) / np.linalg.norm(exact, axis=1))
+  assert relative(row) < 0.5 * relative(tensor)
   matmul, dot = fp8.matmul, fp8.dot
   with fid.fp8_variant("row", ("btd,df->btf",)):
     assert fp8.dot is fid._rowwise_dot and fp8.matmul is not matmul
