@@ -151,7 +151,7 @@ def stage_eval(c, paths: Paths):
     eval_store = cache.open(paths.cache("eval"))
 
   # One model in memory at a time: the teacher may be large.
-  measure = functools.partial(_measure, results, eval_store, the_teacher if online else None,
+  measure = functools.partial(_measure, results, eval_store, the_teacher,
                               eval_cfg=c.eval, chunk_size=c.loss.chunk_size or None)
   measure("student_init", models.start(c.student)[0])
   weights = [os.path.join(c.teacher.hf_path, name) for name in

@@ -15,6 +15,11 @@ tree=$(mktemp -d)/old
 git -C "$repo" worktree add -q --detach "$tree" "$old" || exit 2
 out=$(mktemp -d)
 status=0
+numbers() {  # a metrics.jsonl's numbers, step by step (not its times)
+  "$py" -c "import json,sys
+for l in open(sys.argv[1]):
+  d=json.loads(l); print([d.get(k) for k in ('step','loss','ce','kl','grad_norm','top1')])" "$1"
+}
 for cfg in $configs; do
   for side in old new; do
     dir=$([ $side = old ] && echo "$tree" || echo "$repo")
@@ -25,13 +30,8 @@ for cfg in $configs; do
   same=yes
   for metrics in "$out"/old-"$cfg"/*/metrics.jsonl; do
     run=$(basename "$(dirname "$metrics")")
-    cmp -s <("$py" -c "import json,sys
-for l in open(sys.argv[1]):
-  d=json.loads(l); print([d.get(k) for k in ('step','loss','ce','kl','grad_norm','top1')])" \
-      "$metrics") <("$py" -c "import json,sys
-for l in open(sys.argv[1]):
-  d=json.loads(l); print([d.get(k) for k in ('step','loss','ce','kl','grad_norm','top1')])" \
-      "$out/new-$cfg/$run/metrics.jsonl") || { echo "$cfg: $run's metrics differ"; same=no; }
+    cmp -s <(numbers "$metrics") <(numbers "$out/new-$cfg/$run/metrics.jsonl") \
+      || { echo "$cfg: $run's metrics differ"; same=no; }
   done
   cmp -s "$out/old-$cfg/eval.json" "$out/new-$cfg/eval.json" || { echo "$cfg: eval.json differs"; same=no; }
   for part in cache data export; do

@@ -87,13 +87,22 @@ def arm(objective: str, ce: float, lr: float, seed: int, tokens: int, phase: str
               hidden=0.0, student=student, divergence=divergence, temperature=temperature)
 
 
+PLAIN = dict(student="35M", divergence="forward", temperature=1.0)  # lines before these fields
+
+
+def extras(a: dict) -> dict:
+  """An arm's student, divergence and temperature (PLAIN's values where its line has none)."""
+  return {k: a.get(k, v) for k, v in PLAIN.items()}
+
+
 def arm_name(a: dict) -> str:
+  v = extras(a)
   recipe = a["objective"] + (f"_ce{a['ce_weight']:g}" if a["ce_weight"] else "")
-  recipe += "" if a.get("divergence", "forward") == "forward" else f"_{a['divergence']}"
-  recipe += "" if a.get("temperature", 1.0) == 1.0 else f"_T{a['temperature']:g}"
+  recipe += "" if v["divergence"] == "forward" else f"_{v['divergence']}"
+  recipe += "" if v["temperature"] == 1.0 else f"_T{v['temperature']:g}"
   where = "" if a["data"] == "real" else f"{a['data']}_"
   teacher = "" if a["teacher"] == "original" else f"{a['teacher']}_"
-  student = "" if a.get("student", "35M") == "35M" else f"{a['student']}_"
+  student = "" if v["student"] == "35M" else f"{v['student']}_"
   return (f"{where}{student}{teacher}{recipe}_lr{a['lr']:g}_{a['tokens'] / 1e6:.3g}M_"
           f"seed{a['seed']}")
 
@@ -101,8 +110,7 @@ def arm_name(a: dict) -> str:
 def recipe(a: dict) -> tuple:
   """(objective, ce weight, teacher); None for the wide student's and the online divergences'
   arms, which no lr search or leader reads."""
-  if (a.get("student", "35M"), a.get("divergence", "forward"),
-      a.get("temperature", 1.0)) != ("35M", "forward", 1.0):
+  if extras(a) != PLAIN:
     return None
   return (a["objective"], a["ce_weight"], a["teacher"])
 
@@ -305,10 +313,11 @@ def arm_config(root: str, a: dict, variant: str):
   c.opt.warmup_steps = min(c.opt.warmup_steps, c.opt.steps // 10)
   c.opt.lr = a["lr"]
   c.stages = ("baseline",) if a["objective"] == "hard" else ("train",)
+  v = extras(a)
   c.loss.update(objective="tail" if a["objective"] == "hard" else a["objective"],
-                ce_weight=a["ce_weight"], divergence=a.get("divergence", "forward"),
-                temperature=a.get("temperature", 1.0))
-  if a.get("student", "35M") == "64M":
+                ce_weight=a["ce_weight"], divergence=v["divergence"],
+                temperature=v["temperature"])
+  if v["student"] == "64M":
     c.student.update(**WIDE)
   c.cache.k = a["k"] or c.cache.k
   link(os.path.join(prep_dir(root, "sampled_ids" if which == "sampled_ids" else "original"),

@@ -64,10 +64,11 @@ def warn_without_fp8_cores(enabled: bool, devices=None) -> None:
                     ", ".join(old))
 
 
-def quantize(x: jax.Array, fp8_dtype) -> tuple[jax.Array, jax.Array]:
+def quantize(x: jax.Array, fp8_dtype, axis: int | None = None) -> tuple[jax.Array, jax.Array]:
   """(q, scale): x ~ q * scale, q in fp8_dtype, scale a float32 power of two putting x's largest
-  magnitude at or just under the format's largest finite value (1 for an all-zero x)."""
-  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  magnitude at or just under the format's largest finite value (1 for an all-zero x). axis: one
+  scale per slice along it (kept as a size-1 axis), else one for the tensor (a scalar)."""
+  amax = jnp.max(jnp.abs(x), axis=axis, keepdims=axis is not None).astype(jnp.float32)
   fmax = float(jnp.finfo(fp8_dtype).max)
   # ceil(log2(amax / fmax)) exactly: frexp's mantissa is in [0.5, 1), 0.5 at a power of two.
   mantissa, exponent = jnp.frexp(jnp.where(amax > 0, amax / fmax, 1.0))
