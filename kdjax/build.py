@@ -104,15 +104,20 @@ class Models:
     return self.pruned_student(cfg, mesh), cfg
 
   def pruned_student(self, cfg: llama.ModelConfig, mesh=None) -> nnx.Module:
-    """The teacher pruned to cfg, importances measured on the train data's first rows."""
-    model = self.teacher_model(mesh)
+    """The teacher pruned to cfg, importances measured on the train data's first rows. A
+    checkpoint teacher (teacher.hf_path) is pruned as shipped, also when stage pretrain corrected
+    it: the correction changes what the student is taught, not where it starts (the order the
+    recipe study measured, docs/real_teacher.md)."""
+    model = (new_model(self.teacher, 0, self.seed, mesh)[0] if self.teacher.hf_path
+             else self.teacher_model(mesh))
     store = cache.open(self.paths.data("train"))
     rows = store.read(slice(0, min(self.init.calibration_rows, store.num_seqs)), hidden=False)
     student, kept = prune.from_teacher(model, cfg, rows, layers=self.init.layers,
                                        batch_size=self.calibration_batch)
     t = model.cfg
-    logging.info("student pruned from its teacher (%d rows): layers %s of %d, d_model %d/%d, "
+    logging.info("student pruned from its teacher%s (%d rows): layers %s of %d, d_model %d/%d, "
                  "heads %d/%d (kv %d/%d), d_ff %d/%d; %.2fM of %.2fM parameters",
+                 f" as shipped ({self.teacher.hf_path})" if self.teacher.hf_path else "",
                  len(rows["tokens"]), list(kept.layers), t.n_layers, cfg.d_model, t.d_model,
                  cfg.n_heads, t.n_heads, cfg.n_kv_heads, t.n_kv_heads, cfg.d_ff, t.d_ff,
                  llama.count_params(student) / 1e6, llama.count_params(model) / 1e6)

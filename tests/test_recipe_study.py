@@ -58,6 +58,11 @@ def test_a_better_corrected_teacher_gets_finals_and_every_phase_ends(tmp_path):
     order = run_all(lines, root, ce)
     corrected_finals = [n for n in order if n.startswith("corrected_") and "50.1M" in n]
     assert bool(corrected_finals) == expect, order
+    # The mix after the corrected finalist: both seeds of each of MIX; the most CE wins here.
+    mix = [n for n in order if n.startswith(("corrected_online", "corrected_tail_ce1_",
+                                             "corrected_tail_ce2_"))]
+    assert len(mix) == (2 * len(rs.MIX) + 2 if expect else 0), mix
+    assert ("corrected_tail_ce2_lr0.003_50.1M_seed1" in order) == expect
     # The control: each objective at each lr on seed 0, then seed 1 at its best.
     control = [n for n in order if n.startswith("sampled_ids_")]
     assert len(control) == 3 * len(rs.LRS) + 3
@@ -78,3 +83,8 @@ def test_arm_config_sets_the_student_and_divergence(tmp_path):
   w = rs.arm_config(str(tmp_path), rs.arm("hard", 0.0, 3e-3, 0, 1000, "wide", student="64M"),
                     "")
   assert (w.student.d_model, w.student.n_layers, w.stages) == (576, 10, ("baseline",))
+  # An arm on the corrected teacher sees its checkpoint (online runs it beside the step).
+  m = rs.arm_config(str(tmp_path), rs.arm("online", 0.5, 3e-3, 0, 1000, "mix",
+                                          teacher="corrected"), "smoke")
+  assert os.path.realpath(os.path.join(m.workdir, "teacher")) == os.path.realpath(
+      os.path.join(rs.prep_dir(str(tmp_path), "corrected"), "teacher"))

@@ -33,8 +33,13 @@ priority among those runnable):
           each divergence of ONLINE: forward, reverse, DistiLLM's skew forward and skew reverse
           KL (loss.skew 0.1), and forward at temperature 2 (exact without a cache); 12.6M,
           seed 0.
+  mix     once the corrected teacher's recipe is a finalist: on the corrected teacher, at the
+          leader's lr, 12.6M, seeds 0 and 1, each of MIX: the CE weight past the grid's edge
+          (1.0, 2.0: the more CE the better in the screen, so is 0.5 inside?) and `online` + 0.5
+          CE, the corrected teacher beside the step. The one of these and the corrected
+          finalist with the lowest two-seed mean gets finals too, if it is not that finalist.
 The order among runnable arms: the screen, the finals, the control, seed 1 of hard labels and the
-leader, the corrected teacher, its finals, the wide student, the online divergences, the edge
+leader, the corrected teacher, its finals, the mix and its finals, the wide student, the online divergences, the edge
 lrs, lr 3e-4, then seed 1 of the other screen recipes.
 Every arm shares the data store and the learning-rate schedule's shape (warmup a tenth of the
 steps at most 40, cosine to 10%), 64 rows x 2048 tokens a step. Each finished arm is measured
@@ -68,6 +73,7 @@ LAST_LRS = (3e-4,)  # screened too, last of all (seed 0), and reported beside th
 OBJECTIVES = (("hard", 0.0), ("tail", 0.0), ("tail", 0.1), ("tail", 0.3), ("tail", 0.5))
 CONTROL_OBJECTIVES = (("hard", 0.0), ("tail", 0.0), ("online", 0.0))
 CORRECTED = (("tail", 0.0), ("tail", 0.5))  # trained on the corrected teacher's cache
+MIX = (("online", 0.5), ("tail", 1.0), ("tail", 2.0))  # on the corrected teacher, after its finals
 SCREEN, FINAL, CONTROL = 12_582_912, 50_069_504, 4_000_000  # training tokens
 CONTROL_ROWS = 16  # rows a step on the sampled text (4M tokens: 123 steps)
 # The wider student: the teacher's width, heads and MLP, 10 of its 30 layers (64M parameters).
@@ -125,7 +131,7 @@ def best_lr(lines: dict, r: tuple, phase: str = "screen", data: str = "real") ->
 
 
 def seed_ces(lines: dict, r: tuple, lr: float, phase: str = "screen") -> list[float]:
-  return [a["ce"] for a in lines.values() if a["phase"] in (phase, "correct")
+  return [a["ce"] for a in lines.values() if a["phase"] in (phase, "correct", "mix")
           and a["data"] == "real" and recipe(a) == r and a["lr"] == lr]
 
 
@@ -154,6 +160,19 @@ def corrected_finalist(lines: dict) -> tuple[bool, tuple | None]:
   if len(ours) < 2 or len(theirs) < 2:
     return False, None
   return True, ((corrected, lr) if np.mean(ours) < np.mean(theirs) else None)
+
+
+def mix_finalist(lines: dict, chosen: tuple) -> tuple[bool, tuple | None]:
+  """(decided, (the recipe of MIX to finish, its lr) or None): of MIX and the corrected finalist
+  `chosen` ((recipe, lr)), the lowest two-seed mean screen CE, when it is one of MIX."""
+  (_, lr), means = chosen, {chosen[0]: np.mean(seed_ces(lines, *chosen))}
+  for o, ce in MIX:
+    got = seed_ces(lines, (o, ce, "corrected"), lr)
+    if len(got) < 2:
+      return False, None
+    means[(o, ce, "corrected")] = np.mean(got)
+  best = min(means, key=means.get)
+  return True, (None if best == chosen[0] else (best, lr))
 
 
 def corrected_lead(lines: dict) -> tuple | None:
@@ -223,6 +242,14 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
     if chosen is not None:
       (o, ce, teacher), lr = chosen
       todo += [arm(o, ce, lr, s, final_tokens, "final", teacher=teacher) for s in (0, 1)]
+      todo += [arm(o2, ce2, lr, s, screen, "mix", teacher="corrected") for o2, ce2 in MIX
+               for s in (0, 1)]
+      decided, mixed = mix_finalist(lines, chosen)
+      later |= not decided
+      if mixed is not None:
+        (o2, ce2, _), lr2 = mixed
+        todo += [arm(o2, ce2, lr2, s, final_tokens, "final", teacher="corrected")
+                 for s in (0, 1)]
   if lead is not None and hard_lr is not None:
     (o, ce, _), lr = lead
     wide = [arm("hard", 0.0, hard_lr, s, screen, "wide", student="64M") for s in (0, 1)]
@@ -322,6 +349,8 @@ def arm_config(root: str, a: dict, variant: str):
   c.cache.k = a["k"] or c.cache.k
   link(os.path.join(prep_dir(root, "sampled_ids" if which == "sampled_ids" else "original"),
                     "data"), os.path.join(c.workdir, "data"))
+  if which == "corrected":  # online's teacher (the student is pruned from it as shipped)
+    link(os.path.join(prep_dir(root, "corrected"), "teacher"), os.path.join(c.workdir, "teacher"))
   return c
 
 
