@@ -281,9 +281,9 @@ def prep_done(root: str, which: str) -> bool:
   return os.path.exists(os.path.join(prep_dir(root, which), "prep_done.json"))
 
 
-def prep_config(root: str, which: str, variant: str = "", original_cache: bool = True):
-  """The data store and cache of the real text (original or corrected teacher; original_cache
-  False: the data alone) or of the sampled text."""
+def prep_config(root: str, which: str, variant: str = "", caches: bool = True):
+  """The data store and cache of the real text (original or corrected teacher) or of the sampled
+  text; caches False: no cache (the data, and the corrected teacher)."""
   c = base.prep_config(root, variant)
   c.cache.update(hidden_states=False, hidden_dim=0)
   c.workdir = prep_dir(root, which)
@@ -295,8 +295,8 @@ def prep_config(root: str, which: str, variant: str = "", original_cache: bool =
     c.data.max_bytes = 0
   elif which == "corrected":  # the config's correction (its pretrain group)
     c.stages = ("pretrain", "cache")  # the original prep's data, linked
-  elif not original_cache:
-    c.stages = ("data",)
+  if not caches:
+    c.stages = tuple(s for s in c.stages if s != "cache")
   return c
 
 
@@ -317,8 +317,8 @@ def completion_questions(root: str, variant: str) -> tuple[dict, object]:
   return prompts, tok.decode
 
 
-def run_prep(root: str, which: str, variant: str, eval_rows: int, original_cache: bool = True):
-  c = prep_config(root, which, variant, original_cache)
+def run_prep(root: str, which: str, variant: str, eval_rows: int, caches: bool = True):
+  c = prep_config(root, which, variant, caches)
   if which == "corrected":
     link(os.path.join(prep_dir(root, "original"), "data"), os.path.join(c.workdir, "data"))
   start = time.perf_counter()
@@ -401,13 +401,14 @@ def worker(args):
       run_prep(args.root, "sampled_ids", args.variant, args.eval_rows)
     todo, later = schedule(base.read_results(args.results), args.root, args.scale,
                            control=bool(args.sample_tokens), correct=args.correct)
+    todo = [a for a in todo if args.caches or a["objective"] != "tail"]
     a = next((a for a in todo if claim(args, arm_name(a))), None)
-    if a is None and not later:
+    if a is None and not (later and args.caches):
       return
     if a is None:
       time.sleep(10)
       continue
-    c = arm_config(args.root, a, args.variant)  # (without its cache: kdjax's "no store" error)
+    c = arm_config(args.root, a, args.variant)
     start = time.perf_counter()
     pipeline.run(c)
     line = measure(c, a, teacher, args.root, args.eval_rows, questions)
@@ -431,11 +432,11 @@ def prepare(args):
          str(int(args.sample_tokens * args.scale) // 13 or 1), "--batch-size",
          str(args.sample_batch), "--new-tokens", str(args.sample_length)])
   if not prep_done(args.root, "original"):
-    run_prep(args.root, "original", args.variant, args.eval_rows, args.original_cache)
+    run_prep(args.root, "original", args.variant, args.eval_rows, args.caches)
   # Here, before the workers: training the 135M teacher needs more of the GPU than a worker's
   # share (1/N of it; it ran out of memory at 1/5 of an H100).
   if args.correct and not prep_done(args.root, "corrected"):
-    run_prep(args.root, "corrected", args.variant, args.eval_rows)
+    run_prep(args.root, "corrected", args.variant, args.eval_rows, args.caches)
   return sampler
 
 
@@ -451,9 +452,9 @@ def main():
   parser.add_argument("--sample-length", type=int, default=504, help="sampled tokens a document")
   parser.add_argument("--no-correct", dest="correct", action="store_false",
                       help="skip the corrected teacher's phase")
-  parser.add_argument("--no-original-cache", dest="original_cache", action="store_false",
-                      help="the original teacher's data without its cache (when every arm that "
-                           "reads it has run)")
+  parser.add_argument("--no-caches", dest="caches", action="store_false",
+                      help="write no cache (the data and the corrected teacher only) and run only "
+                           "the arms that read none")
   parser.add_argument("--scale", type=float, default=1.0,
                       help="every token count times this (smoke tests: 1e-4)")
   parser.add_argument("--hf-python", default=sys.executable,
