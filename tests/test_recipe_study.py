@@ -61,7 +61,8 @@ def test_a_better_corrected_teacher_gets_finals_and_every_phase_ends(tmp_path):
     # The mix after the corrected finalist: both seeds of each of MIX; the most CE wins here.
     mix = [n for n in order if n.startswith(("corrected_online", "corrected_tail_ce1_",
                                              "corrected_tail_ce2_"))]
-    assert len(mix) == (2 * len(rs.MIX) + 2 if expect else 0), mix
+    assert len(mix) == (2 * len(rs.MIX) + 2 * len(rs.MIX_FINALS) + 2 if expect else 0), mix
+    assert ("corrected_online_ce0.5_lr0.003_50.1M_seed1" in order) == expect
     assert ("corrected_tail_ce2_lr0.003_50.1M_seed1" in order) == expect
     # The control: each objective at each lr on seed 0, then seed 1 at its best.
     control = [n for n in order if n.startswith("sampled_ids_")]

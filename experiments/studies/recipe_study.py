@@ -33,11 +33,13 @@ priority among those runnable):
           each divergence of ONLINE: forward, reverse, DistiLLM's skew forward and skew reverse
           KL (loss.skew 0.1), and forward at temperature 2 (exact without a cache); 12.6M,
           seed 0.
-  mix     once the corrected teacher's recipe is a finalist: on the corrected teacher, at the
-          leader's lr, 12.6M, seeds 0 and 1, each of MIX: the CE weight past the grid's edge
-          (1.0, 2.0: the more CE the better in the screen, so is 0.5 inside?) and `online` + 0.5
-          CE, the corrected teacher beside the step. The one of these and the corrected
-          finalist with the lowest two-seed mean gets finals too, if it is not that finalist.
+  mix     once the corrected teacher's recipe is a finalist, on the corrected teacher at the
+          leader's lr: each of MIX, the CE weight past the grid's edge (1.0, 2.0: the more CE
+          the better in the screen, so is 0.5 inside?), at 12.6M, seeds 0 and 1; the one of
+          these and the corrected finalist with the lower two-seed mean gets finals too, if it
+          is not that finalist. And MIX_FINALS, `online` + 0.5 CE with the corrected teacher
+          beside the step, straight to the finals (screened on the original teacher: forward
+          + 0.5 CE led the online arms and beat `tail` + 0.5 CE).
 The order among runnable arms: the screen, the finals, the control, seed 1 of hard labels and the
 leader, the corrected teacher, its finals, the mix and its finals, the wide student, the online divergences, the edge
 lrs, lr 3e-4, then seed 1 of the other screen recipes.
@@ -73,7 +75,8 @@ LAST_LRS = (3e-4,)  # screened too, last of all (seed 0), and reported beside th
 OBJECTIVES = (("hard", 0.0), ("tail", 0.0), ("tail", 0.1), ("tail", 0.3), ("tail", 0.5))
 CONTROL_OBJECTIVES = (("hard", 0.0), ("tail", 0.0), ("online", 0.0))
 CORRECTED = (("tail", 0.0), ("tail", 0.5))  # trained on the corrected teacher's cache
-MIX = (("online", 0.5), ("tail", 1.0), ("tail", 2.0))  # on the corrected teacher, after its finals
+MIX = (("tail", 1.0), ("tail", 2.0))  # screened on the corrected teacher, after its finals
+MIX_FINALS = (("online", 0.5),)  # on the corrected teacher, to the finals unscreened
 SCREEN, FINAL, CONTROL = 12_582_912, 50_069_504, 4_000_000  # training tokens
 CONTROL_ROWS = 16  # rows a step on the sampled text (4M tokens: 123 steps)
 # The wider student: the teacher's width, heads and MLP, 10 of its 30 layers (64M parameters).
@@ -242,6 +245,8 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
     if chosen is not None:
       (o, ce, teacher), lr = chosen
       todo += [arm(o, ce, lr, s, final_tokens, "final", teacher=teacher) for s in (0, 1)]
+      todo += [arm(o2, ce2, lr, s, final_tokens, "final", teacher="corrected")
+               for o2, ce2 in MIX_FINALS for s in (0, 1)]
       todo += [arm(o2, ce2, lr, s, screen, "mix", teacher="corrected") for o2, ce2 in MIX
                for s in (0, 1)]
       decided, mixed = mix_finalist(lines, chosen)
@@ -276,9 +281,9 @@ def prep_done(root: str, which: str) -> bool:
   return os.path.exists(os.path.join(prep_dir(root, which), "prep_done.json"))
 
 
-def prep_config(root: str, which: str, variant: str = ""):
+def prep_config(root: str, which: str, variant: str = "", caches: bool = True):
   """The data store and cache of the real text (original or corrected teacher) or of the sampled
-  text."""
+  text; caches False: no cache (the data, and the corrected teacher)."""
   c = base.prep_config(root, variant)
   c.cache.update(hidden_states=False, hidden_dim=0)
   c.workdir = prep_dir(root, which)
@@ -290,6 +295,8 @@ def prep_config(root: str, which: str, variant: str = ""):
     c.data.max_bytes = 0
   elif which == "corrected":  # the config's correction (its pretrain group)
     c.stages = ("pretrain", "cache")  # the original prep's data, linked
+  if not caches:
+    c.stages = tuple(s for s in c.stages if s != "cache")
   return c
 
 
@@ -310,8 +317,8 @@ def completion_questions(root: str, variant: str) -> tuple[dict, object]:
   return prompts, tok.decode
 
 
-def run_prep(root: str, which: str, variant: str, eval_rows: int):
-  c = prep_config(root, which, variant)
+def run_prep(root: str, which: str, variant: str, eval_rows: int, caches: bool = True):
+  c = prep_config(root, which, variant, caches)
   if which == "corrected":
     link(os.path.join(prep_dir(root, "original"), "data"), os.path.join(c.workdir, "data"))
   start = time.perf_counter()
@@ -394,8 +401,9 @@ def worker(args):
       run_prep(args.root, "sampled_ids", args.variant, args.eval_rows)
     todo, later = schedule(base.read_results(args.results), args.root, args.scale,
                            control=bool(args.sample_tokens), correct=args.correct)
+    todo = [a for a in todo if args.caches or a["objective"] != "tail"]
     a = next((a for a in todo if claim(args, arm_name(a))), None)
-    if a is None and not later:
+    if a is None and not (later and args.caches):
       return
     if a is None:
       time.sleep(10)
@@ -424,11 +432,11 @@ def prepare(args):
          str(int(args.sample_tokens * args.scale) // 13 or 1), "--batch-size",
          str(args.sample_batch), "--new-tokens", str(args.sample_length)])
   if not prep_done(args.root, "original"):
-    run_prep(args.root, "original", args.variant, args.eval_rows)
+    run_prep(args.root, "original", args.variant, args.eval_rows, args.caches)
   # Here, before the workers: training the 135M teacher needs more of the GPU than a worker's
   # share (1/N of it; it ran out of memory at 1/5 of an H100).
   if args.correct and not prep_done(args.root, "corrected"):
-    run_prep(args.root, "corrected", args.variant, args.eval_rows)
+    run_prep(args.root, "corrected", args.variant, args.eval_rows, args.caches)
   return sampler
 
 
@@ -444,6 +452,9 @@ def main():
   parser.add_argument("--sample-length", type=int, default=504, help="sampled tokens a document")
   parser.add_argument("--no-correct", dest="correct", action="store_false",
                       help="skip the corrected teacher's phase")
+  parser.add_argument("--no-caches", dest="caches", action="store_false",
+                      help="write no cache (the data and the corrected teacher only) and run only "
+                           "the arms that read none")
   parser.add_argument("--scale", type=float, default=1.0,
                       help="every token count times this (smoke tests: 1e-4)")
   parser.add_argument("--hf-python", default=sys.executable,
