@@ -103,13 +103,18 @@ class Models:
       return llama.Transformer(cfg, rngs=nnx.Rngs(self.seed)), cfg
     return self.pruned_student(cfg, mesh), cfg
 
+  def prune_source(self, mesh=None) -> nnx.Module:
+    """The teacher a pruned student is cut from. A checkpoint teacher (teacher.hf_path) as
+    shipped, also when stage pretrain corrected it: the correction changes what the student is
+    taught, not where it starts (the order the recipe study measured, docs/real_teacher.md)."""
+    if self.teacher.hf_path:
+      return new_model(self.teacher, 0, self.seed, mesh)[0]
+    return self.teacher_model(mesh)
+
   def pruned_student(self, cfg: llama.ModelConfig, mesh=None) -> nnx.Module:
-    """The teacher pruned to cfg, importances measured on the train data's first rows. A
-    checkpoint teacher (teacher.hf_path) is pruned as shipped, also when stage pretrain corrected
-    it: the correction changes what the student is taught, not where it starts (the order the
-    recipe study measured, docs/real_teacher.md)."""
-    model = (new_model(self.teacher, 0, self.seed, mesh)[0] if self.teacher.hf_path
-             else self.teacher_model(mesh))
+    """The teacher (prune_source) pruned to cfg, importances measured on the train data's first
+    rows."""
+    model = self.prune_source(mesh)
     store = cache.open(self.paths.data("train"))
     rows = store.read(slice(0, min(self.init.calibration_rows, store.num_seqs)), hidden=False)
     student, kept = prune.from_teacher(model, cfg, rows, layers=self.init.layers,

@@ -1,6 +1,7 @@
 """Building a run's models (kdjax/build.py): vocab_size 0 takes the run's tokenizer's, a student
-pruned from its teacher has the teacher's vocabulary and its own dims, and a teacher that no
-stage finished is refused with a message saying what to run."""
+pruned from its teacher has the teacher's vocabulary and its own dims and is cut from a checkpoint
+teacher as shipped, and a teacher that no stage finished is refused with a message saying what to
+run."""
 import os
 
 import pytest
@@ -61,3 +62,15 @@ def test_shapes_are_computed_once_per_group(tmp_path, trained_tokenizer):
   models = models_of(tmp_path, trained_tokenizer, from_teacher=True)
   assert models.shapes(models.student) is models.shapes(models.student)
   assert models.shapes(models.teacher) is models.shapes(models.teacher)
+
+
+def test_a_checkpoint_teacher_is_pruned_as_shipped_even_once_corrected(tmp_path, trained_tokenizer,
+                                                                      monkeypatch):
+  """With teacher.hf_path the student is cut from that checkpoint, not from the teacher stage
+  pretrain corrected (which teaches it); without one, from the teacher stage pretrain trained."""
+  models = models_of(tmp_path, trained_tokenizer, from_teacher=True)
+  monkeypatch.setattr(build.Models, "teacher_model", lambda self, mesh=None: "trained")
+  monkeypatch.setattr(build, "new_model", lambda group, *a, **k: (f"shipped {group.hf_path}", None))
+  assert models.prune_source() == "trained"
+  models.teacher.hf_path = "ckpt"
+  assert models.prune_source() == "shipped ckpt"
