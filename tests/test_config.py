@@ -30,6 +30,12 @@ def test_every_config_loads_and_validates(path, variant):
   assert c.stages and c.workdir
 
 
+def test_smollm2_online_variant_runs_no_cache():
+  c = load(os.path.join(ROOT, "configs/smollm2.py:online"))
+  config.validate(c)
+  assert c.loss.objective == "online" and "cache" not in c.stages and "pretrain" in c.stages
+
+
 def test_config_imports_no_training_code():
   """Reading a config loads the schema and the choice lists, not the trainer (optax comes with
   flax, which the model's fields need)."""
