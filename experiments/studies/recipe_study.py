@@ -41,8 +41,8 @@ priority among those runnable):
           beside the step, straight to the finals (screened on the original teacher: forward
           + 0.5 CE led the online arms and beat `tail` + 0.5 CE).
 The order among runnable arms: the screen, the finals, the control, seed 1 of hard labels and the
-leader, the corrected teacher, its finals, the mix and its finals, the wide student, the online divergences, the edge
-lrs, lr 3e-4, then seed 1 of the other screen recipes.
+leader, the corrected teacher, its finals, the mix and its finals, the wide student, the online
+divergences, the edge lrs, lr 3e-4, then seed 1 of the other screen recipes.
 Every arm shares the data store and the learning-rate schedule's shape (warmup a tenth of the
 steps at most 40, cosine to 10%), 64 rows x 2048 tokens a step. Each finished arm is measured
 on the held-out split (whole works and packages never trained on; --eval-rows rows) against the
