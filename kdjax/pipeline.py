@@ -76,8 +76,8 @@ def stage_cache(c, paths: Paths):
   model = models.teacher_model(mesh)
   who, weights = c.teacher.hf_path, c.teacher.hf_path
   if not c.teacher.hf_path or models.corrected_teacher():
-    who = (f"{c.teacher.hf_path}, corrected" if c.teacher.hf_path else "trained") + \
-        " by stage pretrain (<workdir>/teacher)"
+    who = ((f"{c.teacher.hf_path}, corrected" if c.teacher.hf_path else "trained")
+           + " by stage pretrain (<workdir>/teacher)")
     weights = paths.checkpoints("teacher")
   # The hash identifies the weights; the name is for people (a workdir may move, so no path).
   attrs = {"teacher": who, "teacher_hash": teacher.weights_hash(weights),
