@@ -49,10 +49,10 @@ def get_config(variant: str = ""):
   c.cache.batch_size = 32
   c.cache.chunk_size = 512
   # 64 rows of 2048 = 131K tokens per step; 382 steps = 50M tokens. lr 3e-3, a hard-label mix of
-  # 0.5 and the teacher corrected first: the recipe study's best (docs/real_teacher.md). lr 3e-3
-  # beat 1e-3 and 3e-4 for every objective, 1e-2 diverged; CE is better the more of it in the mix;
-  # 50M tokens, two seeds: held-out CE 2.143 / 2.142 from the corrected teacher, 2.197 / 2.201
-  # from the uncorrected one, 2.171 / 2.172 for hard labels.
+  # 0.5 and the teacher corrected first: the recipe study's best from a cache (real_teacher.md).
+  # lr 3e-3 beat 1e-3 and 3e-4 for every objective, 1e-2 diverged; CE is better the more of it in
+  # the mix; 50M tokens, two seeds: held-out CE 2.143 / 2.142 from the corrected teacher, 2.197 /
+  # 2.201 from the uncorrected one, 2.171 / 2.172 for hard labels (online, :online, 2.141 / 2.139).
   c.opt.update(lr=3e-3, steps=382, batch_size=64, warmup_steps=40, log_every=10, ckpt_every=50)
   c.loss.ce_weight = 0.5
   c.eval.batch_size = 16
