@@ -33,27 +33,27 @@ def model_config(group: ml_collections.ConfigDict, vocab_size: int) -> llama.Mod
 def model_config_of(group, vocab_size: int) -> llama.ModelConfig:
   """The shapes of a group's model without building it: its checkpoint's config.json, or the
   group's fields (vocab_size 0: the tokenizer's)."""
-  if group.hf_path:
-    from kdjax.models import hf  # imported lazily: only runs with checkpoints need safetensors
-    return hf.config_from_hf(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
-                             **llama.ModelConfig.runtime_of(group))
-  return model_config(group, vocab_size)
+  if not group.hf_path:
+    return model_config(group, vocab_size)
+  from kdjax.models import hf  # imported lazily: only runs with checkpoints need safetensors
+  return hf.config_from_hf(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
+                           **llama.ModelConfig.runtime_of(group))
 
 
 def new_model(group, vocab_size: int, seed: int,
               mesh=None) -> tuple[nnx.Module, llama.ModelConfig]:
   """A model from its Hugging Face checkpoint (group.hf_path) or freshly initialised. mesh: of
   several devices, a checkpoint's tensors go straight to their shards (parallel.place_param)."""
-  if group.hf_path:
-    from kdjax.models import hf
-    start = time.perf_counter()
-    place = functools.partial(parallel.place_param, mesh) if parallel.several(mesh) else None
-    model, cfg = hf.load(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
-                         place=place, **llama.ModelConfig.runtime_of(group))
-    logging.info("loaded %s in %.1f s", group.hf_path, time.perf_counter() - start)
-    return model, cfg
-  cfg = model_config(group, vocab_size)
-  return llama.Transformer(cfg, rngs=nnx.Rngs(seed)), cfg
+  if not group.hf_path:
+    cfg = model_config(group, vocab_size)
+    return llama.Transformer(cfg, rngs=nnx.Rngs(seed)), cfg
+  from kdjax.models import hf
+  start = time.perf_counter()
+  place = functools.partial(parallel.place_param, mesh) if parallel.several(mesh) else None
+  model, cfg = hf.load(group.hf_path, dtype=group.dtype, param_dtype=group.param_dtype,
+                       place=place, **llama.ModelConfig.runtime_of(group))
+  logging.info("loaded %s in %.1f s", group.hf_path, time.perf_counter() - start)
+  return model, cfg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +70,8 @@ class Models:
   _shapes: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   @classmethod
-  def from_config(cls, c, paths: Paths | None = None) -> "Models":
-    return cls(c.teacher, c.student, c.init, c.seed, c.pretrain.steps, c.cache.batch_size,
-               paths or Paths.from_config(c))
+  def from_config(cls, c, paths: Paths) -> "Models":
+    return cls(c.teacher, c.student, c.init, c.seed, c.pretrain.steps, c.cache.batch_size, paths)
 
   def _pruned(self, group) -> bool:
     return group is self.student and self.init.from_teacher

@@ -182,6 +182,12 @@ def teacher_mesh(devices: str) -> Mesh:
   return Mesh(np.asarray(devices).reshape(1, len(devices), 1), AXES)
 
 
+def run_teacher_mesh(g, devices: str) -> Mesh | None:
+  """A run's teacher mesh: with mesh config group g of several devices, teacher_mesh(devices);
+  else None (the teacher on one device)."""
+  return teacher_mesh(devices) if g.data * g.fsdp * g.tensor > 1 else None
+
+
 def spans_processes(mesh: Mesh | None) -> bool:
   return mesh is not None and any(d.process_index != jax.process_index()
                                   for d in mesh.devices.flat)

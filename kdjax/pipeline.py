@@ -63,15 +63,10 @@ def stage_pretrain(c, paths: Paths):
               mesh_cfg=c.mesh)
 
 
-def teacher_mesh(mesh_cfg, teacher_devices: str):
-  """A mesh of several devices shards the teacher over this process's devices, or with
-  cache.teacher_devices "all" over every process's (then process 0 alone writes); else None."""
-  several = mesh_cfg.data * mesh_cfg.fsdp * mesh_cfg.tensor > 1
-  return parallel.teacher_mesh(teacher_devices) if several else None
-
-
 def stage_cache(c, paths: Paths):
-  mesh = teacher_mesh(c.mesh, c.cache.teacher_devices)
+  # Several devices shard the teacher over this process's devices, or with cache.teacher_devices
+  # "all" over every process's (then process 0 alone writes).
+  mesh = parallel.run_teacher_mesh(c.mesh, c.cache.teacher_devices)
   models = build.Models.from_config(c, paths)
   model = models.teacher_model(mesh)
   who, weights = c.teacher.hf_path, c.teacher.hf_path
@@ -164,7 +159,7 @@ def stage_eval(c, paths: Paths):
     # Its own held-out CE is the reference the students are measured against; its KL to the
     # top-k it cached is ~0 (up to cache.layout's quantisation) and its top-1 agreement ~1.
     measure("teacher", the_teacher if online else
-            models.teacher_model(teacher_mesh(c.mesh, c.cache.teacher_devices)))
+            models.teacher_model(parallel.run_teacher_mesh(c.mesh, c.cache.teacher_devices)))
   # Every finished model of the workdir, whichever stages this run lists.
   runs = [("student", c.student, c.opt), ("baseline", c.student, c.opt)]
   if not c.teacher.hf_path:

@@ -9,6 +9,7 @@ import pytest
 from kdjax import build, config, tokenizer
 from kdjax.errors import UserError
 from kdjax.models import prune
+from kdjax.workdir import Paths
 
 WORDS = [" ".join(f"w{i * j % 83}" for j in range(30)) for i in range(40)]
 
@@ -30,7 +31,7 @@ def models_of(tmp_path, trained_tokenizer, from_teacher=False) -> build.Models:
   c.student.update(d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
                    remat="none")
   c.init.from_teacher = from_teacher
-  return build.Models.from_config(c)
+  return build.Models.from_config(c, Paths.from_config(c))
 
 
 def test_vocab_size_zero_takes_the_tokenizers(tmp_path, trained_tokenizer):

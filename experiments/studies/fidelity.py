@@ -41,6 +41,7 @@ from experiments.bench import e2e_bench
 from experiments.studies import demo_ab
 from kdjax import build, cache, evaluate, pipeline
 from kdjax.loss import objectives
+from kdjax.workdir import Paths
 
 RESULTS = os.path.join(ROOT, "experiments", "results", "fidelity.jsonl")
 METRICS = ("full_kl", "top1", "ce", "ece")
@@ -111,7 +112,7 @@ def distil(prep, args, teacher, caches, eval_store, *, objective, k, seed, tempe
 
   cached = demo_ab.distil(prep, args.out, name, seed, edit)
   c = configs[0]
-  student = build.Models.from_config(c).finished("student", c.student, c.opt.steps)
+  student = build.Models.from_config(c, Paths.from_config(c)).finished("student", c.student, c.opt.steps)
   online = evaluate.evaluate_online(student, teacher, eval_store,
                                     batch_size=prep.eval.batch_size, max_seqs=prep.eval.max_seqs)
   return {**line, **{m: online[m if m != "top1" else "top1_agreement"] for m in METRICS},
@@ -220,7 +221,7 @@ def main():
     plot(lines, plot_path(args))
     return
   prep = demo_ab.prepare(args.out, args.variant)
-  teacher = build.Models.from_config(prep).finished("teacher", prep.teacher,
+  teacher = build.Models.from_config(prep, Paths.from_config(prep)).finished("teacher", prep.teacher,
                                                     prep.pretrain.steps)
   os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
   top = max(ks)

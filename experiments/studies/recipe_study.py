@@ -323,7 +323,7 @@ def run_prep(root: str, which: str, variant: str, eval_rows: int, caches: bool =
     link(os.path.join(prep_dir(root, "original"), "data"), os.path.join(c.workdir, "data"))
   start = time.perf_counter()
   pipeline.run(c)
-  models = build.Models.from_config(c)
+  models = build.Models.from_config(c, Paths.from_config(c))
   teacher = models.teacher_model()
   own = evaluate.evaluate_online(teacher, teacher, cache.open(Paths.from_config(c).data("eval")),
                                  batch_size=c.eval.batch_size, max_seqs=eval_rows)
@@ -363,7 +363,7 @@ def arm_config(root: str, a: dict, variant: str):
 
 def measure(c, a: dict, teacher, root: str, eval_rows: int, questions) -> dict:
   run = "baseline" if a["objective"] == "hard" else "student"
-  model = build.Models.from_config(c).finished(run, c.student, c.opt.steps)
+  model = build.Models.from_config(c, Paths.from_config(c)).finished(run, c.student, c.opt.steps)
   which = "sampled_ids" if a["data"] == "sampled_ids" else "original"
   eval_store = cache.open(os.path.join(prep_dir(root, which), "data", "eval.zarr"))
   line = evaluate.evaluate_online(model, teacher, eval_store, batch_size=c.eval.batch_size,
@@ -392,7 +392,7 @@ def claim(args, name: str) -> bool:
 def worker(args):
   """Takes the next arm (or prep) nobody of this launch has claimed, until none is left."""
   orig = prep_config(args.root, "original", args.variant)
-  teacher = build.Models.from_config(orig).teacher_model()
+  teacher = build.Models.from_config(orig, Paths.from_config(orig)).teacher_model()
   questions = completion_questions(args.root, args.variant)
   while True:
     # The sampled text's data and cache, once: a serial job, once the sampler finished.

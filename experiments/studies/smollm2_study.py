@@ -120,7 +120,7 @@ def run_arm(prep, root: str, a: dict, teacher, eval_store, args) -> dict:
   c = arm_config(prep, root, a)
   pipeline.run(c)
   run = "baseline" if a["objective"] == "hard" else "student"
-  model = build.Models.from_config(c).finished(run, c.student, c.opt.steps)
+  model = build.Models.from_config(c, Paths.from_config(c)).finished(run, c.student, c.opt.steps)
   online = evaluate.evaluate_online(model, teacher, eval_store, batch_size=c.eval.batch_size,
                                     max_seqs=args.eval_rows)
   return {"arm": arm_name(a), **a, "steps": c.opt.steps,
@@ -204,7 +204,7 @@ def perplexity(prep, root: str, teacher, args):
     a = {k: line[k] for k in ("init", "objective", "k", "tokens", "seed", "hidden")}
     a["fp8"] = line.get("fp8", False)
     c = arm_config(prep, root, a)
-    models = build.Models.from_config(c)
+    models = build.Models.from_config(c, Paths.from_config(c))
     model = models.finished(line["run"], c.student, c.opt.steps)
     out_dir = os.path.join(work, line["arm"])
     hf.export(model, model.cfg, out_dir, tokenizer_dir=models.paths.tokenizer_dir)
