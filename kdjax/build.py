@@ -87,10 +87,9 @@ class Models:
     return self._shapes[name]
 
   def _shapes_of(self, group) -> llama.ModelConfig:
-    vocab_size = self.paths.tokenizer().vocab_size
-    if self._pruned(group):
-      return prune.group_config(self.shapes(self.teacher), group, self.init.layers)
-    return model_config_of(group, vocab_size)
+    if not self._pruned(group):
+      return model_config_of(group, self.paths.tokenizer().vocab_size)
+    return prune.group_config(self.shapes(self.teacher), group, self.init.layers)
 
   def start(self, group, mesh=None, resuming: bool = False):
     """new_model, except that a student pruned from its teacher is pruned here; when resuming, a
@@ -129,7 +128,8 @@ class Models:
 
   def finished(self, name: str, group, steps: int):
     """The model run `name` trained, parameters only, if it reached `steps`; else None."""
-    return checkpoints.restore_finished(self.paths.run(name), self.shapes(group), steps)
+    shapes = self.shapes(group)
+    return checkpoints.restore_finished(self.paths.run(name), shapes, steps)
 
   def corrected_teacher(self) -> bool:
     """Whether stage pretrain fine-tuned teacher.hf_path on this run's data (teacher correction):
