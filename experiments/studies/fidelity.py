@@ -112,7 +112,8 @@ def distil(prep, args, teacher, caches, eval_store, *, objective, k, seed, tempe
 
   cached = demo_ab.distil(prep, args.out, name, seed, edit)
   c = configs[0]
-  student = build.Models.from_config(c, Paths.from_config(c)).finished("student", c.student, c.opt.steps)
+  models = build.Models.from_config(c, Paths.from_config(c))
+  student = models.finished("student", c.student, c.opt.steps)
   online = evaluate.evaluate_online(student, teacher, eval_store,
                                     batch_size=prep.eval.batch_size, max_seqs=prep.eval.max_seqs)
   return {**line, **{m: online[m if m != "top1" else "top1_agreement"] for m in METRICS},
@@ -221,8 +222,8 @@ def main():
     plot(lines, plot_path(args))
     return
   prep = demo_ab.prepare(args.out, args.variant)
-  teacher = build.Models.from_config(prep, Paths.from_config(prep)).finished("teacher", prep.teacher,
-                                                    prep.pretrain.steps)
+  models = build.Models.from_config(prep, Paths.from_config(prep))
+  teacher = models.finished("teacher", prep.teacher, prep.pretrain.steps)
   os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
   top = max(ks)
   hidden_dims = (prep.teacher.d_model, prep.teacher.d_model // 4)

@@ -363,7 +363,8 @@ def arm_config(root: str, a: dict, variant: str):
 
 def measure(c, a: dict, teacher, root: str, eval_rows: int, questions) -> dict:
   run = "baseline" if a["objective"] == "hard" else "student"
-  model = build.Models.from_config(c, Paths.from_config(c)).finished(run, c.student, c.opt.steps)
+  models = build.Models.from_config(c, Paths.from_config(c))
+  model = models.finished(run, c.student, c.opt.steps)
   which = "sampled_ids" if a["data"] == "sampled_ids" else "original"
   eval_store = cache.open(os.path.join(prep_dir(root, which), "data", "eval.zarr"))
   line = evaluate.evaluate_online(model, teacher, eval_store, batch_size=c.eval.batch_size,

@@ -120,7 +120,8 @@ def run_arm(prep, root: str, a: dict, teacher, eval_store, args) -> dict:
   c = arm_config(prep, root, a)
   pipeline.run(c)
   run = "baseline" if a["objective"] == "hard" else "student"
-  model = build.Models.from_config(c, Paths.from_config(c)).finished(run, c.student, c.opt.steps)
+  models = build.Models.from_config(c, Paths.from_config(c))
+  model = models.finished(run, c.student, c.opt.steps)
   online = evaluate.evaluate_online(model, teacher, eval_store, batch_size=c.eval.batch_size,
                                     max_seqs=args.eval_rows)
   return {"arm": arm_name(a), **a, "steps": c.opt.steps,
