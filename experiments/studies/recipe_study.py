@@ -323,9 +323,9 @@ def run_prep(root: str, which: str, variant: str, eval_rows: int, caches: bool =
     link(os.path.join(prep_dir(root, "original"), "data"), os.path.join(c.workdir, "data"))
   start = time.perf_counter()
   pipeline.run(c)
-  models = build.Models.from_config(c, Paths.from_config(c))
-  teacher = models.teacher_model()
-  own = evaluate.evaluate_online(teacher, teacher, cache.open(Paths.from_config(c).data("eval")),
+  paths = Paths.from_config(c)
+  teacher = build.Models.from_config(c, paths).teacher_model()
+  own = evaluate.evaluate_online(teacher, teacher, cache.open(paths.data("eval")),
                                  batch_size=c.eval.batch_size, max_seqs=eval_rows)
   if which != "sampled_ids":  # the teacher's own answers to the real text's completion questions
     own["exact_match"] = completion.exact_match(teacher, *completion_questions(root, variant))

@@ -247,13 +247,6 @@ class Trainer:
     graphdef, params = nnx.split(model)
     self.state, self.grads_sum = init_state(params, self.tx, opt, _hidden_projection(
         self.loss, model_cfg, store, seed))
-    # One bound on the documents per row for the whole store, as for the teacher's pass: the
-    # step compiles once per run and once per resume (a bound grown batch by batch compiled it
-    # again at each growth, and the first step missed remat auto's plan, made on the store's first
-    # rows: 20 s at 8K, minutes at 128K, each time). A bound grown by batches reached the same
-    # value after the store's densest row; that bound sets the cuDNN calls per layer
-    # (kdjax.models.attention.documents_per_call).
-    self.max_documents = documents.store_documents_bound(store)
     if parallel.several(mesh):
       if opt.state_memory == "host" or self.loss.objective == "online":
         raise ValueError("several devices (mesh) take opt.state_memory='device' and an offline "
@@ -262,6 +255,13 @@ class Trainer:
     else:
       mesh = None
     self.mesh = mesh
+    # One bound on the documents per row for the whole store, as for the teacher's pass: the
+    # step compiles once per run and once per resume (a bound grown batch by batch compiled it
+    # again at each growth, and the first step missed remat auto's plan, made on the store's first
+    # rows: 20 s at 8K, minutes at 128K, each time). A bound grown by batches reached the same
+    # value after the store's densest row; that bound sets the cuDNN calls per layer
+    # (kdjax.models.attention.documents_per_call).
+    self.max_documents = documents.store_documents_bound(store)
     fp8.warn_without_fp8_cores(model_cfg.fp8_matmuls)
     self.graphdef, self.model_cfg = resolve_remat(graphdef, model_cfg, self.state, self.grads_sum,
                                                   store, opt, self.loss, hard_labels,
