@@ -60,12 +60,21 @@ class Watch:
     self.reached = now  # when the store last answered
     self.beat = 0
     self.ending = False  # this process is ending with its own error: it stops no other
-    threading.Thread(target=self._run, name="kdjax-peers", daemon=True).start()
+    self.stopped = threading.Event()
+    self.thread = threading.Thread(target=self._run, name="kdjax-peers", daemon=True)
+    self.thread.start()
 
   def _run(self):
-    while True:
+    while not self.stopped.is_set():
       self.check()
-      time.sleep(self.interval_s)
+      self.stopped.wait(self.interval_s)
+
+  def stop(self):
+    """Ends the beat thread and waits for it: at exit jax shuts its distributed client down
+    (an atexit handler), and a beat still calling into the client then can crash the process
+    (SIGSEGV)."""
+    self.stopped.set()
+    self.thread.join(timeout=self.timeout_s)
 
   def check(self):
     """One beat: write ours, read the others'; ends the process when one is lost."""
@@ -171,9 +180,10 @@ def fail_if_lost() -> None:
 
 def finish(error: bool = False) -> None:
   """This process is done: the others stop watching it, or with `error` (it ends with its own
-  error) stop too, naming it."""
+  error) stop too, naming it. Its own beat thread ends here, before jax's exit handlers."""
   if _watch is not None:
     _watch.ending = error
+    _watch.stop()
     try:
       _watch.client.key_value_set(f"kdjax/done/{_watch.me}", "error" if error else "1",
                                   allow_overwrite=True)

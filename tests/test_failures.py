@@ -172,6 +172,32 @@ def test_a_stalled_process_is_named(tmp_path, unbroken, main_compile_cache):
   assert all(m["data_wait_process"] == 1 for m in metrics[1:]), metrics
 
 
+# two processes that beat as fast as they can, then finish and exit (jax shuts its distributed
+# client down at exit): a beat thread still running into that shutdown crashed one in two
+BEAT_THEN_EXIT = """
+import time
+from kdjax import parallel, peers
+parallel.initialize_distributed(30)
+peers.watch(30)
+peers._watch.interval_s = 1e-4
+time.sleep(0.3)
+peers.finish()
+"""
+
+
+def test_finished_processes_exit_cleanly():
+  """peers.finish ends the beat thread before jax's exit handlers: no process dies at exit."""
+  for _ in range(3):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", parallel.ENV_PROCESSES: "2",
+           parallel.ENV_COORDINATOR: f"localhost:{free_port()}"}
+    procs = [subprocess.Popen([sys.executable, "-c", BEAT_THEN_EXIT], cwd=ROOT,
+                              env={**env, parallel.ENV_PROCESS_ID: str(i)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    out = [(p.communicate(timeout=120)[1], p.returncode) for p in procs]
+    assert [rc for _, rc in out] == [0, 0], [err[-2000:] for err, _ in out]
+
+
 @pytest.mark.slow
 def test_sigterm_in_the_cache_stops_every_process(tmp_path, unbroken, main_compile_cache):
   """SIGTERM to process 1 at its third cache batch: process 1 stops before its next region,
