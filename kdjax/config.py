@@ -95,8 +95,7 @@ def base() -> ml_collections.ConfigDict:
   c.stages = ("data", "cache", "train", "eval")  # run in order; each skips complete work
   # Compiled XLA programs kept on disk (JAX's persistent compilation cache), so a rerun (a resumed
   # crash, a later stage, the next run of the same shapes) loads them instead of compiling again:
-  # minutes at long context. "workdir": <workdir>/compile_cache; or a folder; "" off. JAX's own
-  # JAX_COMPILATION_CACHE_DIR, when the environment sets it, wins.
+  # minutes at long context. "workdir": <workdir>/compile_cache; or a folder; "" off.
   c.compile_cache = "workdir"
 
   c.data = ml_collections.ConfigDict()

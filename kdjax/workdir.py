@@ -26,15 +26,8 @@ def tensorboard_dir(run_dir: str) -> str:
   return os.path.join(run_dir, "tensorboard")
 
 
-COMPILE_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
-
-
 def compile_cache_dir(c) -> str:
-  """The folder of the run's compiled programs, or "" when off: JAX's own variable
-  JAX_COMPILATION_CACHE_DIR when the environment sets it (one folder for many runs, as the test
-  suite's), else config compile_cache."""
-  if os.environ.get(COMPILE_CACHE_ENV):
-    return os.environ[COMPILE_CACHE_ENV]
+  """The folder of the run's compiled programs (config compile_cache), or "" when off."""
   return os.path.join(c.workdir, "compile_cache") if c.compile_cache == "workdir" else (
       c.compile_cache)
 

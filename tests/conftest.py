@@ -19,23 +19,17 @@ import hashlib
 import json
 import os
 import secrets
-import shutil
-import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
-# the session's folder of compiled programs (below) serves the runs the tests start, not the
-# tests' own small programs
-jax.config.update("jax_compilation_cache_dir", None)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from kdjax import cache, teacher  # noqa: E402
-from kdjax.workdir import COMPILE_CACHE_ENV  # noqa: E402
 from tests.fixtures.shared import shared  # noqa: E402
 from tests.fixtures.stand_in import StandIn  # noqa: E402
 from tests.fixtures.stores import store_files  # noqa: E402
@@ -55,27 +49,6 @@ def pytest_configure(config):
   # xdist workers (started after this) and test subprocesses inherit it: one seed per session.
   os.environ[SEED_ENV] = str(seed)
   config.stash[SESSION_SEED] = seed
-  if not os.environ.get(COMPILE_CACHE_ENV):
-    path = tempfile.mkdtemp(prefix="kdjax-tests-compiled-")
-    os.environ.update({COMPILE_CACHE_ENV: path, **COMPILED_ENV})
-    config.stash[COMPILED] = path
-
-
-def pytest_unconfigure(config):
-  if config.stash.get(COMPILED, None):
-    shutil.rmtree(config.stash[COMPILED], ignore_errors=True)
-
-
-# --- Compiled programs shared by every run the tests start ----------------------------------------
-# Most of a CPU smoke run of kdjax.main is compiling, and the suite's many runs (demo configs,
-# several processes, the experiments' scripts) compile largely the same programs: they share one
-# folder of compiled programs for the session, every program kept however fast it compiled (a
-# warm smoke demo run: 12 s against 22 s). The variables reach the xdist workers and every
-# subprocess (kdjax.main uses JAX_COMPILATION_CACHE_DIR over config compile_cache). A size bound
-# turns on JAX's file lock around the folder's reads and writes: several processes write at once.
-COMPILED = pytest.StashKey[str]()
-COMPILED_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                "JAX_COMPILATION_CACHE_MAX_SIZE": str(16 << 30)}
 
 
 # The fast subset (`-m "not slow"`) also leaves out these tests, each of which took over 10 s
@@ -213,6 +186,19 @@ def module_rng(request, session_seed) -> np.random.Generator:
 # --- Helpers of several test modules ------------------------------------------------------------
 
 pytest_plugins = ["tests.fixtures.loss_reference", "tests.fixtures.hf_side"]
+
+
+# --- Compiled programs shared by the kdjax.main runs of a test module ----------------------------
+
+
+@pytest.fixture(scope="module")
+def main_compile_cache(tmp_path_factory) -> tuple[list[str], dict[str, str]]:
+  """The flag and environment that make `python -m kdjax.main` runs share one folder of compiled
+  programs, every program kept however fast it compiled: most of a smoke run on CPU is
+  compiling, and a module's runs compile the same programs. One folder per module, so per
+  xdist worker (JAX writes its entries without a lock). Only process 0 of a run writes."""
+  path = tmp_path_factory.mktemp("compile_cache")
+  return [f"--config.compile_cache={path}"], {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
 # --- Sequence stores (the cache tests) ----------------------------------------------------------

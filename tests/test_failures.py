@@ -40,14 +40,16 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def run_two(workdir, failpoint: str = "", stages=STAGES, armed=1) -> list[dict]:
-  """Both processes of one run; failpoint (KDJAX_CACHE_FAILPOINT) armed in process `armed`.
-  Returns each process's exit code, stderr and the time it ended."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", parallel.ENV_PROCESSES: "2",
+def run_two(workdir, compile_cache, failpoint: str = "", stages=STAGES, armed=1) -> list[dict]:
+  """Both processes of one run; failpoint (KDJAX_CACHE_FAILPOINT) armed in process `armed`;
+  compile_cache: the fixture main_compile_cache. Returns each process's exit code, stderr and
+  the time it ended."""
+  cache_args, cache_env = compile_cache
+  env = {**os.environ, **cache_env, "JAX_PLATFORMS": "cpu", parallel.ENV_PROCESSES: "2",
          parallel.ENV_COORDINATOR: f"localhost:{free_port()}"}
   env.pop("KDJAX_CACHE_FAILPOINT", None)
   procs = [subprocess.Popen(
-      [sys.executable, "-m", "tests.fixtures.failpoints", *ARGS,
+      [sys.executable, "-m", "tests.fixtures.failpoints", *ARGS, *cache_args,
        f"--config.workdir={workdir}",
        stages],
       cwd=ROOT, env={**env, parallel.ENV_PROCESS_ID: str(i),
@@ -77,9 +79,9 @@ def result(workdir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def unbroken(tmp_path_factory):
+def unbroken(tmp_path_factory, main_compile_cache):
   workdir = tmp_path_factory.mktemp("unbroken")
-  assert [p["rc"] for p in run_two(workdir)] == [0, 0]
+  assert [p["rc"] for p in run_two(workdir, main_compile_cache)] == [0, 0]
   return {**result(workdir), "workdir": workdir}
 
 
@@ -91,8 +93,8 @@ def finished_stages(workdir, done_workdir, *parts):
     shutil.copytree(done_workdir / part, workdir / part)
 
 
-def assert_resumes(workdir, unbroken):
-  again = run_two(workdir)
+def assert_resumes(workdir, unbroken, compile_cache):
+  again = run_two(workdir, compile_cache)
   failed = [p for p in again if p["rc"]] or again
   assert [p["rc"] for p in again] == [0, 0], failed[0]["stderr"][-3000:]  # a failed one's log
   got = result(workdir)
@@ -105,14 +107,14 @@ def assert_resumes(workdir, unbroken):
 @pytest.mark.parametrize("failpoint, armed, done", [
     ("step:2:kill", 1, ("data", "teacher", "cache")), ("batch:3:kill", 1, ("data", "teacher")),
     ("batch:3:kill", 0, ("data", "teacher"))], ids=["train", "cache", "coordinator"])
-def test_one_process_killed(tmp_path, unbroken, failpoint, armed, done):
+def test_one_process_killed(tmp_path, unbroken, main_compile_cache, failpoint, armed, done):
   """Process 1 killed at train's step 2 or at its third batch of the cache stage, or process 0
   (it holds the coordination service) at its third cache batch: the other names it and exits
   EXIT_LOST within 2 minutes; the same command resumes to the unbroken result. The stages
   before the one killed are the unbroken run's, finished (no pretraining steps: train's step 2
   is the run's second)."""
   finished_stages(tmp_path, unbroken["workdir"], *done)
-  out = run_two(tmp_path, failpoint, armed=armed)
+  out = run_two(tmp_path, main_compile_cache, failpoint, armed=armed)
   killed, survivor = out[armed], out[1 - armed]
   assert killed["rc"] == -9
   assert survivor["rc"] == peers.EXIT_LOST, survivor["stderr"][-3000:]
@@ -123,32 +125,32 @@ def test_one_process_killed(tmp_path, unbroken, failpoint, armed, done):
   assert "Fatal Python" not in survivor["stderr"]  # no thread dumps
   if armed == 1:  # process 0 lost: jax.distributed's client logs its fatal error first (peers)
     assert "Check failure" not in survivor["stderr"]
-  assert_resumes(tmp_path, unbroken)
+  assert_resumes(tmp_path, unbroken, main_compile_cache)
 
 
 @pytest.mark.slow
-def test_sigterm_saves_the_same_step_everywhere(tmp_path, unbroken):
+def test_sigterm_saves_the_same_step_everywhere(tmp_path, unbroken, main_compile_cache):
   """SIGTERM to process 1 at train's step 2: both stop after the same step (proposed by process
   1, read by both), save it (one checkpoint, written by both), exit 130, and the same command
   resumes to the unbroken result. Data, teacher and cache are the unbroken run's, finished."""
   finished_stages(tmp_path, unbroken["workdir"], "data", "teacher", "cache")
-  out = run_two(tmp_path, "step:2:term")
+  out = run_two(tmp_path, main_compile_cache, "step:2:term")
   assert [p["rc"] for p in out] == [130, 130], out[0]["stderr"][-3000:]
   saved = [[line.rsplit(" ", 1)[1] for line in p["stderr"].splitlines()
             if "student: interrupted; saved step" in line] for p in out]
   assert saved[0] == saved[1] and len(saved[0]) == 1, saved
   steps = sorted(int(d) for d in os.listdir(tmp_path / "student" / "ckpt") if d.isdigit())
   assert steps[-1] == int(saved[0][0]) < 8, steps
-  assert_resumes(tmp_path, unbroken)
+  assert_resumes(tmp_path, unbroken, main_compile_cache)
 
 
 @pytest.mark.slow
-def test_an_error_in_one_process_ends_the_other(tmp_path, unbroken):
+def test_an_error_in_one_process_ends_the_other(tmp_path, unbroken, main_compile_cache):
   """Process 1 fails on its own (an exception at its third cache batch): it exits 1 with its
   traceback, and process 0, wherever it waits for it, names it and exits EXIT_LOST. Data and
   teacher are the unbroken run's, finished."""
   finished_stages(tmp_path, unbroken["workdir"], "data", "teacher")
-  out = run_two(tmp_path, "batch:3:raise",
+  out = run_two(tmp_path, main_compile_cache, "batch:3:raise",
                 "--config.stages=('data', 'pretrain', 'cache')")
   assert [p["rc"] for p in out] == [peers.EXIT_LOST, 1], out[0]["stderr"][-3000:]
   assert "FailpointError" in out[1]["stderr"]
@@ -157,11 +159,11 @@ def test_an_error_in_one_process_ends_the_other(tmp_path, unbroken):
 
 
 @pytest.mark.slow
-def test_a_stalled_process_is_named(tmp_path, unbroken):
+def test_a_stalled_process_is_named(tmp_path, unbroken, main_compile_cache):
   """Process 1 sleeps 2 s before each of its training batches: process 0's log lines name it.
   The data are the unbroken run's, finished."""
   finished_stages(tmp_path, unbroken["workdir"], "data")
-  out = run_two(tmp_path, "step:1:stall",
+  out = run_two(tmp_path, main_compile_cache, "step:1:stall",
                 "--config.stages=('data', 'pretrain')")
   assert [p["rc"] for p in out] == [0, 0], out[0]["stderr"][-3000:]
   lines = [line for line in out[0]["stderr"].splitlines() if "teacher step" in line]
@@ -197,15 +199,15 @@ def test_finished_processes_exit_cleanly():
 
 
 @pytest.mark.slow
-def test_sigterm_in_the_cache_stops_every_process(tmp_path, unbroken):
+def test_sigterm_in_the_cache_stops_every_process(tmp_path, unbroken, main_compile_cache):
   """SIGTERM to process 1 at its third cache batch: process 1 stops before its next region,
   process 0 before its next region or in the barrier after its last; both exit 130 with the
   cache unfinished, and the same command resumes to the unbroken result. Data and teacher are
   the unbroken run's, finished."""
   finished_stages(tmp_path, unbroken["workdir"], "data", "teacher")
-  out = run_two(tmp_path, "batch:3:term")
+  out = run_two(tmp_path, main_compile_cache, "batch:3:term")
   assert [p["rc"] for p in out] == [130, 130], out[0]["stderr"][-3000:] + out[1]["stderr"][-3000:]
   assert all("Traceback" not in p["stderr"] for p in out)
   store = cache.open(str(tmp_path / "cache" / "train.zarr"), allow_partial=True)
   assert store.missing(1, 2), "process 1 went on after SIGTERM"
-  assert_resumes(tmp_path, unbroken)
+  assert_resumes(tmp_path, unbroken, main_compile_cache)

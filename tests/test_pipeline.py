@@ -7,8 +7,6 @@ import sys
 
 import pytest
 
-from kdjax.workdir import COMPILE_CACHE_ENV
-
 # whole runs in subprocesses: not in the fast subset; one xdist worker runs the module, so its
 # module fixtures' runs are made once, not once a worker
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_pipeline")]
@@ -16,15 +14,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_pipeline")]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def main_command(config: str, workdir, *overrides, env=()):
-  """The command and environment of a run (os.environ updated by env)."""
+def main_command(config: str, workdir, *overrides, compile_cache=((), {})):
+  """The command and environment of a run; compile_cache: the fixture main_compile_cache."""
+  cache_args, cache_env = compile_cache
   return ([sys.executable, "-m", "kdjax.main", f"--config={ROOT}/configs/{config}",
-           f"--config.workdir={workdir}", *overrides],
-          {**os.environ, "JAX_PLATFORMS": "cpu", **dict(env)})
+           f"--config.workdir={workdir}", *cache_args, *overrides],
+          {**os.environ, **cache_env, "JAX_PLATFORMS": "cpu"})
 
 
-def run_main(config: str, workdir, *overrides, check=True, env=()):
-  cmd, env = main_command(config, workdir, *overrides, env=env)
+def run_main(config: str, workdir, *overrides, check=True, compile_cache=((), {})):
+  cmd, env = main_command(config, workdir, *overrides, compile_cache=compile_cache)
   out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
   if check and out.returncode != 0:
     raise AssertionError(f"kdjax.main failed:\n{out.stderr[-4000:]}")
@@ -32,9 +31,9 @@ def run_main(config: str, workdir, *overrides, check=True, env=()):
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
+def demo_run(tmp_path_factory, main_compile_cache):
   workdir = tmp_path_factory.mktemp("demo")
-  out = run_main("demo.py:smoke", workdir)
+  out = run_main("demo.py:smoke", workdir, compile_cache=main_compile_cache)
   return workdir, out
 
 
@@ -75,12 +74,13 @@ def test_cache_with_fewer_entries_than_k_is_refused(demo_run):
   assert "k=32 is asked for: set cache.k to at most 16" in last
 
 
-def test_online_objective_evaluates_without_a_cache(tmp_path):
+def test_online_objective_evaluates_without_a_cache(tmp_path, main_compile_cache):
   """objective "online" writes no cache: eval runs the teacher beside each model instead, and
   reports the full-vocabulary KL."""
   workdir = tmp_path / "online"
   out = run_main("demo.py:smoke", workdir, "--config.loss.objective=online",
-                 "--config.stages=('data', 'pretrain', 'train', 'eval')")
+                 "--config.stages=('data', 'pretrain', 'train', 'eval')",
+                 compile_cache=main_compile_cache)
   assert not os.path.exists(workdir / "cache")
   results = json.load(open(workdir / "eval.json"))
   assert set(results) == {"student_init", "teacher", "student"}
@@ -90,14 +90,15 @@ def test_online_objective_evaluates_without_a_cache(tmp_path):
 
 
 def test_long_context_smoke_config_runs(tmp_path):
-  run_main("32k.py:smoke", tmp_path / "w", env={COMPILE_CACHE_ENV: ""})  # its own folder
+  run_main("32k.py:smoke", tmp_path / "w")
   results = json.load(open(tmp_path / "w" / "eval.json"))
   assert set(results) == {"student_init", "teacher", "student"}
   # the compiled programs stay for a rerun (config compile_cache: <workdir>/compile_cache)
   assert any((tmp_path / "w" / "compile_cache").iterdir())
 
 
-def test_training_killed_by_sigkill_resumes_to_the_same_result(demo_run, tmp_path):
+def test_training_killed_by_sigkill_resumes_to_the_same_result(demo_run, tmp_path,
+                                                               main_compile_cache):
   """kill -9 mid-training, run the same command again: identical metrics and evaluation."""
   import shutil
   import signal
@@ -110,9 +111,9 @@ def test_training_killed_by_sigkill_resumes_to_the_same_result(demo_run, tmp_pat
     for part in ("data", "cache", "teacher"):  # done: only training and evaluation run
       shutil.copytree(done / part, workdir / part)
     runs[name] = workdir
-  run_main("demo.py:smoke", runs["straight"], *args)
+  run_main("demo.py:smoke", runs["straight"], *args, compile_cache=main_compile_cache)
 
-  cmd, env = main_command("demo.py:smoke", runs["killed"], *args)
+  cmd, env = main_command("demo.py:smoke", runs["killed"], *args, compile_cache=main_compile_cache)
   proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   ckpt = runs["killed"] / "student" / "ckpt"
@@ -122,7 +123,7 @@ def test_training_killed_by_sigkill_resumes_to_the_same_result(demo_run, tmp_pat
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   assert not (ckpt / "24").exists(), "the run finished before it could be killed"
-  run_main("demo.py:smoke", runs["killed"], *args)
+  run_main("demo.py:smoke", runs["killed"], *args, compile_cache=main_compile_cache)
 
   straight = json.load(open(runs["straight"] / "eval.json"))["student"]
   resumed = json.load(open(runs["killed"] / "eval.json"))["student"]

@@ -61,8 +61,7 @@ def main():
                "--config.stages=('data', 'cache')", *(f"--config.{s}" for s in args.set)]
   command = [sys.executable, "-m", "kdjax.main", "--config=configs/smollm2.py", *overrides]
   print("==", " ".join(command), flush=True)
-  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # afresh
-  proc = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, env=env)
+  proc = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE)
   log = bytearray()
   for chunk in iter(lambda: proc.stderr.read1(1 << 16), b""):  # shown as it comes, and kept
     sys.stderr.buffer.write(chunk)
