@@ -2,11 +2,6 @@
 import json
 import os
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; no display needed
-import matplotlib.pyplot as plt  # noqa: E402
-
 
 def read_metrics(path: str) -> list[dict]:
   with open(path) as f:
@@ -16,6 +11,13 @@ def read_metrics(path: str) -> list[dict]:
 def training_curves(panels: list[tuple[str, str, dict[str, str]]], out_png: str) -> str:
   """panels: [(y label, metric, {run label: metrics.jsonl path})]; missing files and rows without
   the metric are left out."""
+  # imported here, not at the top: matplotlib takes about 0.9 s to import, and of the stages only
+  # eval draws
+  import matplotlib
+
+  matplotlib.use("Agg")  # files only; no display needed
+  import matplotlib.pyplot as plt
+
   metrics = {path: read_metrics(path) for _, _, runs in panels for path in runs.values()
              if os.path.exists(path)}  # each file read once
   fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
