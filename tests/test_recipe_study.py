@@ -50,7 +50,7 @@ def test_finals_of_hard_labels_and_the_leader_come_first(tmp_path):
 
 def test_a_better_corrected_teacher_gets_finals_and_every_phase_ends(tmp_path):
   root = str(tmp_path)
-  for which in ("sampled_ids", "corrected"):
+  for which in ("sampled_ids", "corrected", "corrected_long"):
     done(root, which)
   for better, expect in ((0.2, True), (-0.2, False)):
     lines = {}
@@ -64,6 +64,11 @@ def test_a_better_corrected_teacher_gets_finals_and_every_phase_ends(tmp_path):
     assert len(mix) == (2 * len(rs.MIX) + 2 * len(rs.MIX_FINALS) + 2 if expect else 0), mix
     assert ("corrected_online_ce0.5_lr0.003_50.1M_seed1" in order) == expect
     assert ("corrected_tail_ce2_lr0.003_50.1M_seed1" in order) == expect
+    # The longer correction: MIX_FINALS and the corrected finalist, straight to the finals.
+    longer = [n for n in order if n.startswith("corrected_long_")]
+    assert sorted(longer) == (sorted(f"corrected_long_{r}_lr0.003_50.1M_seed{s}"
+                                     for r in ("online_ce0.5", "tail_ce0.5") for s in (0, 1))
+                              if expect else []), longer
     # The control: each objective at each lr on seed 0, then seed 1 at its best.
     control = [n for n in order if n.startswith("sampled_ids_")]
     assert len(control) == 3 * len(rs.LRS) + 3
@@ -89,3 +94,9 @@ def test_arm_config_sets_the_student_and_divergence(tmp_path):
                                           teacher="corrected"), "smoke")
   assert os.path.realpath(os.path.join(m.workdir, "teacher")) == os.path.realpath(
       os.path.join(rs.prep_dir(str(tmp_path), "corrected"), "teacher"))
+  # The longer correction: the config's steps and warmup times LONGER, its own teacher.
+  n = rs.arm_config(str(tmp_path), rs.arm("online", 0.5, 3e-3, 0, 1000, "final",
+                                          teacher="corrected_long"), "")
+  assert (n.pretrain.steps, n.pretrain.warmup_steps) == (40 * rs.LONGER, 4 * rs.LONGER)
+  assert os.path.realpath(os.path.join(n.workdir, "teacher")) == os.path.realpath(
+      os.path.join(rs.prep_dir(str(tmp_path), "corrected_long"), "teacher"))

@@ -40,8 +40,13 @@ priority among those runnable):
           is not that finalist. And MIX_FINALS, `online` + 0.5 CE with the corrected teacher
           beside the step, straight to the finals (screened on the original teacher: forward
           + 0.5 CE led the online arms and beat `tail` + 0.5 CE).
+  longer  the teacher corrected LONGER times as long (120 steps, 15.7M tokens; the same lr and
+          data, warmup a tenth), then MIX_FINALS and the corrected finalist on it, straight to
+          the finals at the corrected finalist's lr, seeds 0 and 1: does a teacher closer to
+          the data widen the margin? (phase `final`, teacher `corrected_long`)
 The order among runnable arms: the screen, the finals, the control, seed 1 of hard labels and the
-leader, the corrected teacher, its finals, the mix and its finals, the wide student, the online
+leader, the corrected teacher, its finals, the mix and its finals, the longer correction's
+finals, the wide student, the online
 divergences, the edge lrs, lr 3e-4, then seed 1 of the other screen recipes.
 Every arm shares the data store and the learning-rate schedule's shape (warmup a tenth of the
 steps at most 40, cosine to 10%), 64 rows x 2048 tokens a step. Each finished arm is measured
@@ -77,6 +82,7 @@ CONTROL_OBJECTIVES = (("hard", 0.0), ("tail", 0.0), ("online", 0.0))
 CORRECTED = (("tail", 0.0), ("tail", 0.5))  # trained on the corrected teacher's cache
 MIX = (("tail", 1.0), ("tail", 2.0))  # screened on the corrected teacher, after its finals
 MIX_FINALS = (("online", 0.5),)  # on the corrected teacher, to the finals unscreened
+LONGER = 3  # the longer correction: the config's correction steps (and warmup) times this
 SCREEN, FINAL, CONTROL = 12_582_912, 50_069_504, 4_000_000  # training tokens
 CONTROL_ROWS = 16  # rows a step on the sampled text (4M tokens: 123 steps)
 # The wider student: the teacher's width, heads and MLP, 10 of its 30 layers (64M parameters).
@@ -192,9 +198,9 @@ def corrected_lead(lines: dict) -> tuple | None:
 
 
 def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
-             correct: bool = True) -> tuple[list[dict], bool]:
+             correct: bool = True, longer: bool = True) -> tuple[list[dict], bool]:
   """(arms runnable now, in priority order; whether more will become runnable later). scale:
-  every token count times this (a smoke test's); control, correct: run those phases."""
+  every token count times this (a smoke test's); control, correct, longer: run those phases."""
   screen, final_tokens = int(SCREEN * scale), int(FINAL * scale)
   todo = [arm(o, ce, lr, 0, screen, "screen") for lr in LRS for o, ce in OBJECTIVES]
   later = False
@@ -239,8 +245,8 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
                       teacher="corrected"))
   elif correct:
     later = True
+  decided, chosen = corrected_finalist(lines)
   if correct:
-    decided, chosen = corrected_finalist(lines)
     later |= not decided
     if chosen is not None:
       (o, ce, teacher), lr = chosen
@@ -255,6 +261,14 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
         (o2, ce2, _), lr2 = mixed
         todo += [arm(o2, ce2, lr2, s, final_tokens, "final", teacher="corrected")
                  for s in (0, 1)]
+  if longer and prep_done(root, "corrected_long"):
+    later |= not decided
+    if chosen is not None:
+      (o, ce, _), lr = chosen
+      todo += [arm(o2, ce2, lr, s, final_tokens, "final", teacher="corrected_long")
+               for o2, ce2 in MIX_FINALS + ((o, ce),) for s in (0, 1)]
+  elif longer:
+    later = True
   if lead is not None and hard_lr is not None:
     (o, ce, _), lr = lead
     wide = [arm("hard", 0.0, hard_lr, s, screen, "wide", student="64M") for s in (0, 1)]
@@ -274,7 +288,8 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
 
 def prep_dir(root: str, which: str) -> str:
   return os.path.join(root, "study", {"original": "prep", "sampled_ids": "prep_sampled_ids",
-                                      "corrected": "prep_corrected"}[which])
+                                      "corrected": "prep_corrected",
+                                      "corrected_long": "prep_corrected_long"}[which])
 
 
 def prep_done(root: str, which: str) -> bool:
@@ -293,8 +308,11 @@ def prep_config(root: str, which: str, variant: str = "", caches: bool = True):
     c.data.source = os.path.join(root, SAMPLED, "train.jsonl")
     c.data.eval_source = os.path.join(root, SAMPLED, "eval.jsonl")
     c.data.max_bytes = 0
-  elif which == "corrected":  # the config's correction (its pretrain group)
+  elif which in ("corrected", "corrected_long"):  # the config's correction (its pretrain group)
     c.stages = ("pretrain", "cache")  # the original prep's data, linked
+    if which == "corrected_long":
+      c.pretrain.update(steps=c.pretrain.steps * LONGER,
+                        warmup_steps=c.pretrain.warmup_steps * LONGER)
   if not caches:
     c.stages = tuple(s for s in c.stages if s != "cache")
   return c
@@ -319,7 +337,7 @@ def completion_questions(root: str, variant: str) -> tuple[dict, object]:
 
 def run_prep(root: str, which: str, variant: str, eval_rows: int, caches: bool = True):
   c = prep_config(root, which, variant, caches)
-  if which == "corrected":
+  if which in ("corrected", "corrected_long"):
     link(os.path.join(prep_dir(root, "original"), "data"), os.path.join(c.workdir, "data"))
   start = time.perf_counter()
   pipeline.run(c)
@@ -356,8 +374,9 @@ def arm_config(root: str, a: dict, variant: str):
   c.cache.k = a["k"] or c.cache.k
   link(os.path.join(prep_dir(root, "sampled_ids" if which == "sampled_ids" else "original"),
                     "data"), os.path.join(c.workdir, "data"))
-  if which == "corrected":  # online's teacher (the student is pruned from it as shipped)
-    link(os.path.join(prep_dir(root, "corrected"), "teacher"), os.path.join(c.workdir, "teacher"))
+  if which in ("corrected", "corrected_long"):  # online's teacher (the student is pruned from
+    # the teacher as shipped)
+    link(os.path.join(prep_dir(root, which), "teacher"), os.path.join(c.workdir, "teacher"))
   return c
 
 
@@ -401,7 +420,8 @@ def worker(args):
         and not prep_done(args.root, "sampled_ids") and claim(args, "prep_sampled_ids")):
       run_prep(args.root, "sampled_ids", args.variant, args.eval_rows)
     todo, later = schedule(base.read_results(args.results), args.root, args.scale,
-                           control=bool(args.sample_tokens), correct=args.correct)
+                           control=bool(args.sample_tokens), correct=args.correct,
+                           longer=args.longer)
     todo = [a for a in todo if args.caches or a["objective"] != "tail"]
     a = next((a for a in todo if claim(args, arm_name(a))), None)
     if a is None and not (later and args.caches):
@@ -438,6 +458,8 @@ def prepare(args):
   # share (1/N of it; it ran out of memory at 1/5 of an H100).
   if args.correct and not prep_done(args.root, "corrected"):
     run_prep(args.root, "corrected", args.variant, args.eval_rows, args.caches)
+  if args.longer and not prep_done(args.root, "corrected_long"):
+    run_prep(args.root, "corrected_long", args.variant, args.eval_rows, args.caches)
   return sampler
 
 
@@ -453,6 +475,8 @@ def main():
   parser.add_argument("--sample-length", type=int, default=504, help="sampled tokens a document")
   parser.add_argument("--no-correct", dest="correct", action="store_false",
                       help="skip the corrected teacher's phase")
+  parser.add_argument("--no-longer", dest="longer", action="store_false",
+                      help="skip the longer correction's phase")
   parser.add_argument("--no-caches", dest="caches", action="store_false",
                       help="write no cache (the data and the corrected teacher only) and run only "
                            "the arms that read none")
