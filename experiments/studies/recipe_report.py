@@ -8,7 +8,7 @@ METRICS = (("ce", "CE", 4), ("accuracy", "acc", 4), ("full_kl", "full KL", 4),
            ("top1_agreement", "top-1", 4), ("ece", "ECE", 4), ("exact_match", "next line", 3),
            ("gap", "CE - teacher's", 4), ("outside_top_k", "outside top-100", 4),
            ("ce_inside_top_k", "CE inside", 4), ("ce_outside_top_k", "CE outside", 3))
-PHASES = ("screen", "final", "correct", "mix", "wide", "online", "control")
+PHASES = ("screen", "final", "correct", "mix", "longer", "wide", "online", "control")
 OBJECTIVE_NAMES = {"hard": "hard labels", "tail": "tail KL", "online": "online full KL"}
 
 

@@ -41,9 +41,10 @@ priority among those runnable):
           beside the step, straight to the finals (screened on the original teacher: forward
           + 0.5 CE led the online arms and beat `tail` + 0.5 CE).
   longer  the teacher corrected LONGER times as long (120 steps, 15.7M tokens; the same lr and
-          data, warmup a tenth), then MIX_FINALS and the corrected finalist on it, straight to
-          the finals at the corrected finalist's lr, seeds 0 and 1: does a teacher closer to
-          the data widen the margin? (phase `final`, teacher `corrected_long`)
+          data, warmup a tenth; teacher `corrected_long`): MIX_FINALS and the corrected
+          finalist on it at 12.6M, seeds 0 and 1, at the corrected finalist's lr; finals for
+          each whose two-seed mean beats the corrected finalist's. Does a teacher closer to
+          the data widen the margin?
 The order among runnable arms: the screen, the finals, the control, seed 1 of hard labels and the
 leader, the corrected teacher, its finals, the mix and its finals, the longer correction's
 finals, the wide student, the online
@@ -140,7 +141,7 @@ def best_lr(lines: dict, r: tuple, phase: str = "screen", data: str = "real") ->
 
 
 def seed_ces(lines: dict, r: tuple, lr: float, phase: str = "screen") -> list[float]:
-  return [a["ce"] for a in lines.values() if a["phase"] in (phase, "correct", "mix")
+  return [a["ce"] for a in lines.values() if a["phase"] in (phase, "correct", "mix", "longer")
           and a["data"] == "real" and recipe(a) == r and a["lr"] == lr]
 
 
@@ -265,8 +266,14 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
     later |= not decided
     if chosen is not None:
       (o, ce, _), lr = chosen
-      todo += [arm(o2, ce2, lr, s, final_tokens, "final", teacher="corrected_long")
-               for o2, ce2 in MIX_FINALS + ((o, ce),) for s in (0, 1)]
+      bar = np.mean(seed_ces(lines, *chosen))  # the corrected finalist's two-seed screen mean
+      for o2, ce2 in MIX_FINALS + ((o, ce),):
+        todo += [arm(o2, ce2, lr, s, screen, "longer", teacher="corrected_long") for s in (0, 1)]
+        got = seed_ces(lines, (o2, ce2, "corrected_long"), lr)
+        later |= len(got) < 2
+        if len(got) == 2 and np.mean(got) < bar:
+          todo += [arm(o2, ce2, lr, s, final_tokens, "final", teacher="corrected_long")
+                   for s in (0, 1)]
   elif longer:
     later = True
   if lead is not None and hard_lr is not None:
