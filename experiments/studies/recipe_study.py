@@ -46,9 +46,9 @@ priority among those runnable):
           each whose two-seed mean beats the corrected finalist's. Does a teacher closer to
           the data widen the margin?
 The order among runnable arms: the screen, the finals, the control, seed 1 of hard labels and the
-leader, the corrected teacher, its finals, the mix and its finals, the longer correction's
-finals, the wide student, the online
-divergences, the edge lrs, lr 3e-4, then seed 1 of the other screen recipes.
+leader, the corrected teacher, its finals, the mix and its finals, the longer correction's screen
+and finals, the wide student, the online divergences, the edge lrs, lr 3e-4, then seed 1 of the
+other screen recipes.
 Every arm shares the data store and the learning-rate schedule's shape (warmup a tenth of the
 steps at most 40, cosine to 10%), 64 rows x 2048 tokens a step. Each finished arm is measured
 on the held-out split (whole works and packages never trained on; --eval-rows rows) against the
@@ -381,8 +381,7 @@ def arm_config(root: str, a: dict, variant: str):
   c.cache.k = a["k"] or c.cache.k
   link(os.path.join(prep_dir(root, "sampled_ids" if which == "sampled_ids" else "original"),
                     "data"), os.path.join(c.workdir, "data"))
-  if which in ("corrected", "corrected_long"):  # online's teacher (the student is pruned from
-    # the teacher as shipped)
+  if which in ("corrected", "corrected_long"):  # online's teacher (the student: as shipped)
     link(os.path.join(prep_dir(root, which), "teacher"), os.path.join(c.workdir, "teacher"))
   return c
 
