@@ -33,6 +33,7 @@ IMPORT_ONLY = {
     "bench/gpu_watch": "e2e_bench.py's nvidia-smi sampling: no entry point",
     "bench/mgpu_probe": "positional M K V, no flags: --help would run the full-size probe",
     "studies/recipe_report": "recipe_study.py's table and plot: no entry point",
+    "studies/recipe_schedule": "recipe_study.py's arms and their order: no entry point",
 }
 WITH_HELP = [name for name in SCRIPTS if name not in IMPORT_ONLY]
 # Runs each script as `python -m experiments.FOLDER.NAME --help` would (__name__ "__main__"; an

@@ -1,9 +1,9 @@
-"""experiments/studies/recipe_study.py's schedule: which arms run, in which order, and when it
-is done (no GPU: results are made up)."""
+"""The recipe study's schedule (experiments/studies/recipe_schedule.py): which arms run, in which
+order, and when it is done (no GPU: results are made up); and the arms' configs (recipe_study)."""
 import json
 import os
 
-from experiments.studies import recipe_study as rs
+from experiments.studies import recipe_schedule as rs, recipe_study as study
 
 
 def done(root, which):
@@ -87,19 +87,19 @@ def test_a_better_corrected_teacher_gets_finals_and_every_phase_ends(tmp_path):
 
 def test_arm_config_sets_the_student_and_divergence(tmp_path):
   a = rs.arm("online", 0.5, 3e-3, 0, 1000, "online", divergence="skew_reverse", temperature=2.0)
-  c = rs.arm_config(str(tmp_path), a, "smoke")
+  c = study.arm_config(str(tmp_path), a, "smoke")
   assert (c.loss.objective, c.loss.divergence, c.loss.temperature) == ("online", "skew_reverse",
                                                                         2.0)
-  w = rs.arm_config(str(tmp_path), rs.arm("hard", 0.0, 3e-3, 0, 1000, "wide", student="64M"),
+  w = study.arm_config(str(tmp_path), rs.arm("hard", 0.0, 3e-3, 0, 1000, "wide", student="64M"),
                     "")
   assert (w.student.d_model, w.student.n_layers, w.stages) == (576, 10, ("baseline",))
   # An arm on the corrected teacher sees its checkpoint (online runs it beside the step).
-  m = rs.arm_config(str(tmp_path), rs.arm("online", 0.5, 3e-3, 0, 1000, "mix",
+  m = study.arm_config(str(tmp_path), rs.arm("online", 0.5, 3e-3, 0, 1000, "mix",
                                           teacher="corrected"), "smoke")
   assert os.path.realpath(os.path.join(m.workdir, "teacher")) == os.path.realpath(
       os.path.join(rs.prep_dir(str(tmp_path), "corrected"), "teacher"))
   # The longer correction: the config's steps and warmup times LONGER, its own teacher.
-  n = rs.arm_config(str(tmp_path), rs.arm("online", 0.5, 3e-3, 0, 1000, "final",
+  n = study.arm_config(str(tmp_path), rs.arm("online", 0.5, 3e-3, 0, 1000, "final",
                                           teacher="corrected_long"), "")
   assert (n.pretrain.steps, n.pretrain.warmup_steps) == (40 * rs.LONGER, 4 * rs.LONGER)
   assert os.path.realpath(os.path.join(n.workdir, "teacher")) == os.path.realpath(
