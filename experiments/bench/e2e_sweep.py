@@ -117,6 +117,10 @@ SWEEP = {
     # of billions of tokens pays them once per split). write_cache logs that drain.
     "teacher-8k": "teacher --seq-len 8192 --docs 4 --rows 256",
     "teacher-32k": "teacher --seq-len 32768 --docs 8 --rows 64",
+    # The teacher's projections in FP8 (teacher.fp8_matmuls; the lm_head, log-softmax and top-k
+    # as in bf16): against "teacher-8k" / "teacher-gpt-oss-120b-8k" in the same call for the
+    # ratio. Its fidelity on the real teacher: experiments/studies/fp8_teacher_fidelity.py.
+    "teacher-8k-fp8": "teacher --seq-len 8192 --docs 4 --rows 256 --set teacher.fp8_matmuls=True",
     # Its step profiled (one more row traced after the step alone; the summary in the line): the
     # last profile (46ee74d) predates the top-k's rewrite, and 32K sits at the 36k target
     # (35.2-36.9k on different H200s, 2026-12-04/05).
@@ -154,6 +158,9 @@ SWEEP = {
                               "--rows 32 --mem-fraction 0.9 --set cache.batch_size=8",
     "teacher-gpt-oss-120b-8k": "teacher --config configs/gpt_oss.py --seq-len 8192 --docs 4 "
                                "--rows 32 --mem-fraction 0.9 --set cache.batch_size=8",
+    "teacher-gpt-oss-120b-8k-fp8": "teacher --config configs/gpt_oss.py --seq-len 8192 --docs 4 "
+                                   "--rows 32 --mem-fraction 0.9 --set cache.batch_size=8 "
+                                   "--set teacher.fp8_matmuls=True",
     "teacher-gpt-oss-120b-32k": "teacher --config configs/gpt_oss.py --seq-len 32768 --docs 8 "
                                 "--rows 8 --mem-fraction 0.95",
     "gpt-oss-32k": "student --config configs/gpt_oss.py --docs 8 --steps 2 --memory "
