@@ -98,7 +98,11 @@ def test_arm_config_sets_the_student_and_divergence(tmp_path):
                                           teacher="corrected"), "smoke")
   assert os.path.realpath(os.path.join(m.workdir, "teacher")) == os.path.realpath(
       os.path.join(rs.prep_dir(str(tmp_path), "corrected"), "teacher"))
-  # The longer correction: the config's steps and warmup times LONGER, its own teacher.
+  # The corrections: the study's steps whatever the config's default; the longer one's steps
+  # and warmup times LONGER, its own teacher.
+  o = study.arm_config(str(tmp_path), rs.arm("tail", 0.5, 3e-3, 0, 1000, "correct",
+                                          teacher="corrected"), "")
+  assert (o.pretrain.steps, o.pretrain.warmup_steps) == (40, 4)
   n = study.arm_config(str(tmp_path), rs.arm("online", 0.5, 3e-3, 0, 1000, "final",
                                           teacher="corrected_long"), "")
   assert (n.pretrain.steps, n.pretrain.warmup_steps) == (40 * rs.LONGER, 4 * rs.LONGER)

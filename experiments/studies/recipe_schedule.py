@@ -19,11 +19,10 @@ priority among those runnable):
           to the teacher, and distillation should win. Hard labels, `tail` and `online` at each
           of LRS (seed 0), then seed 1 at each one's best; 4M tokens, 16 rows a step.
   correct the teacher corrected first (stage pretrain from its checkpoint on the train split,
-          configs/smollm2.py's pretrain group, one setting chosen before the study), its cache
-          written; `tail`
-          and `tail` + 0.5 CE trained on it at 12.6M at the screen's lr for that recipe, seed 0,
-          then seed 1 of the better; the student is pruned from the original teacher, as in
-          every other arm.
+          CORRECTED_STEPS of configs/smollm2.py's pretrain group, one setting chosen before
+          the study), its cache written; `tail` and `tail` + 0.5 CE trained on it at 12.6M at
+          the screen's lr for that recipe, seed 0, then seed 1 of the better; the student is
+          pruned from the original teacher, as in every other arm.
   wide    the wider student (WIDE: depth-pruned only, d 576, ~64M): hard labels and the leading
           recipe at their lrs, 12.6M, seed 0 then seed 1.
   online  the leading recipe's CE weight and lr with the teacher in the step (no top-k) and
@@ -60,7 +59,11 @@ CORRECTED = (("tail", 0.0), ("tail", 0.5))  # trained on the corrected teacher's
 MIX = (("tail", 1.0), ("tail", 2.0))  # screened on the corrected teacher, after its finals
 MIX_FINALS = (("online", 0.5),)  # on the corrected teacher, to the finals unscreened
 CORRECTIONS = ("corrected", "corrected_long")  # the corrected teachers
-LONGER = 3  # the longer correction: the config's correction steps (and warmup) times this
+# The corrected teacher's steps (warmup a tenth; lr and batch configs/smollm2.py's pretrain group):
+# the study's own, so that its results keep their meaning whatever the config defaults to (120
+# since the longer correction won). The smoke variant keeps the config's steps.
+CORRECTED_STEPS = 40
+LONGER = 3  # the longer correction: the corrected teacher's steps (and warmup) times this
 SCREEN, FINAL, CONTROL = 12_582_912, 50_069_504, 4_000_000  # training tokens
 ONLINE = (("forward", 1.0), ("reverse", 1.0), ("skew_forward", 1.0), ("skew_reverse", 1.0),
           ("forward", 2.0))  # (loss.divergence, loss.temperature) of the online arms

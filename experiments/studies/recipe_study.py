@@ -52,11 +52,12 @@ def prep_config(root: str, which: str, variant: str = "", caches: bool = True):
     c.data.source = os.path.join(root, SAMPLED, "train.jsonl")
     c.data.eval_source = os.path.join(root, SAMPLED, "eval.jsonl")
     c.data.max_bytes = 0
-  elif which in plan.CORRECTIONS:  # the config's correction (its pretrain group)
+  elif which in plan.CORRECTIONS:  # the config's pretrain group for plan.CORRECTED_STEPS
     c.stages = ("pretrain", "cache")  # the original prep's data, linked
-    if which == "corrected_long":
-      c.pretrain.update(steps=c.pretrain.steps * plan.LONGER,
-                        warmup_steps=c.pretrain.warmup_steps * plan.LONGER)
+    steps, warmup = ((c.pretrain.steps, c.pretrain.warmup_steps) if variant else
+                     (plan.CORRECTED_STEPS, plan.CORRECTED_STEPS // 10))
+    times = plan.LONGER if which == "corrected_long" else 1
+    c.pretrain.update(steps=steps * times, warmup_steps=warmup * times)
   if not caches:
     c.stages = tuple(s for s in c.stages if s != "cache")
   return c
