@@ -62,7 +62,7 @@ def test_a_better_corrected_teacher_gets_finals_and_every_phase_ends(tmp_path):
     assert bool(corrected_finals) == expect, order
     # The mix after the corrected finalist: both seeds of each of MIX; the most CE wins here.
     mix = [n for n in order if n.startswith(("corrected_online", "corrected_tail_ce1_",
-                                             "corrected_tail_ce2_"))]
+                                             "corrected_tail_ce2_")) and "_200M_" not in n]
     assert len(mix) == (2 * len(rs.MIX) + 2 * len(rs.MIX_FINALS) + 2 if expect else 0), mix
     assert ("corrected_online_ce0.5_lr0.003_50.1M_seed1" in order) == expect
     assert ("corrected_tail_ce2_lr0.003_50.1M_seed1" in order) == expect
@@ -73,6 +73,18 @@ def test_a_better_corrected_teacher_gets_finals_and_every_phase_ends(tmp_path):
         ("online_ce0.5", "12.6M"), ("online_ce0.5", "50.1M"), ("tail_ce0.5", "12.6M"))
         for s in (0, 1)]
     assert longer == (sorted(want) if expect else []), longer
+    # The long runs, once every final ran: hard labels and the best final's recipe at 200M.
+    best = "corrected_tail_ce2" if expect else "tail_ce0.5"  # CE weight 2: the lowest CE here
+    long_runs = [n for n in order if "_200M_" in n]
+    assert long_runs == ["hard_lr0.003_200M_seed0", f"{best}_lr0.003_200M_seed0"], long_runs
+    assert order.index(long_runs[0]) > max(i for i, n in enumerate(order) if "_50.1M_" in n)
+    if expect:  # a cached final left to run holds them back, unless no cache can be read
+      for n in long_runs + ["corrected_tail_ce0.5_lr0.003_50.1M_seed1"]:
+        del lines[n]
+      names = [rs.arm_name(a) for a in rs.schedule(lines, root)[0]]
+      assert names == ["corrected_tail_ce0.5_lr0.003_50.1M_seed1"], names
+      names = [rs.arm_name(a) for a in rs.schedule(lines, root, caches=False)[0]]
+      assert names == long_runs[:1], names  # the best final reads a cache: hard labels alone
     # The control: each objective at each lr on seed 0, then seed 1 at its best.
     control = [n for n in order if n.startswith("sampled_ids_")]
     assert len(control) == 3 * len(rs.LRS) + 3

@@ -8,7 +8,7 @@ METRICS = (("ce", "CE", 4), ("accuracy", "acc", 4), ("full_kl", "full KL", 4),
            ("top1_agreement", "top-1", 4), ("ece", "ECE", 4), ("exact_match", "next line", 3),
            ("gap", "CE - teacher's", 4), ("outside_top_k", "outside top-100", 4),
            ("ce_inside_top_k", "CE inside", 4), ("ce_outside_top_k", "CE outside", 3))
-PHASES = ("screen", "final", "correct", "mix", "longer", "wide", "online", "control")
+PHASES = ("screen", "final", "long", "correct", "mix", "longer", "wide", "online", "control")
 OBJECTIVE_NAMES = {"hard": "hard labels", "tail": "tail KL", "online": "online full KL"}
 
 
@@ -66,9 +66,9 @@ def teachers(root: str) -> str:
 
 def plot(lines: list[dict], png: str, root: str = ""):
   """Training CE over training tokens (lines) and held-out CE (dots), one panel each: the real
-  text's final arms (before they ran, the screen's seed 0 at its best lr), the 12.6M screen's
-  hard labels, best distilled recipes and online arms (lr 3e-3, seed 0), and the control on the
-  teacher's own samples at lr 3e-3. Each arm's metrics.jsonl is read under ROOT/study/ (the
+  text's final arms (before they ran, the screen's seed 0 at its best lr), the long runs (200M
+  tokens), the 12.6M screen's hard labels, best distilled recipes and online arms (lr 3e-3, seed
+  0), and the control on the teacher's own samples at lr 3e-3. Each arm's metrics.jsonl is read under ROOT/study/ (the
   study's --root) or, without a root, from the workdir its line names; an arm without one is a
   labelled dot."""
   import matplotlib
@@ -82,8 +82,10 @@ def plot(lines: list[dict], png: str, root: str = ""):
             and r.get("divergence", "forward") == "forward" and r.get("temperature", 1.0) == 1]
   control = [r for r in lines if r["phase"] == "control" and r["data"] == "sampled_ids"
              and r["lr"] == 3e-3]
+  long = [r for r in lines if r["phase"] == "long"]
   panels = [(rs, title, ylim) for rs, title, ylim in (
       (real, "real held-out text (Python sources, Shakespeare)", (1.5, 4.0)),
+      (long, "the same, the long runs (~3.8 passes over the data)", (1.5, 4.0)),
       (screen, "the same, 12.6M tokens, seed 0", (2.5, 4.5)),
       (control, "the teacher's own samples (token ids), 4M tokens", (3.5, 6.5))) if rs]
   if not panels:

@@ -41,10 +41,16 @@ priority among those runnable):
           finalist on it at 12.6M, seeds 0 and 1, at the corrected finalist's lr; finals for
           each whose two-seed mean beats the corrected finalist's. Does a teacher closer to
           the data widen the margin?
+  long    once no final is left to run or to be decided (without caches: none that needs no
+          cache): hard labels and the distilled recipe with the lowest two-seed mean final CE,
+          each at its lr, LONG times the finals' tokens (200M: ~3.8 passes over the prep's 52M
+          positions, the same for both), seed 0. With the screen's and the finals' arms, the
+          gap at 12.6M, 50M and 200M tokens, each run on its own schedule: do the two part or
+          cross?
 The order among runnable arms: the screen, the finals, the control, seed 1 of hard labels and the
 leader, the corrected teacher, its finals, the mix and its finals, the longer correction's screen
-and finals, the wide student, the online divergences, the edge lrs, lr 3e-4, then seed 1 of the
-other screen recipes.
+and finals, the long runs, the wide student, the online divergences, the edge lrs, lr 3e-4, then
+seed 1 of the other screen recipes.
 """
 import os
 
@@ -64,6 +70,7 @@ CORRECTIONS = ("corrected", "corrected_long")  # the corrected teachers
 # since the longer correction won). The smoke variant keeps the config's steps.
 CORRECTED_STEPS = 40
 LONGER = 3  # the longer correction: the corrected teacher's steps (and warmup) times this
+LONG = 4  # the long runs: the finals' tokens times this
 SCREEN, FINAL, CONTROL = 12_582_912, 50_069_504, 4_000_000  # training tokens
 ONLINE = (("forward", 1.0), ("reverse", 1.0), ("skew_forward", 1.0), ("skew_reverse", 1.0),
           ("forward", 2.0))  # (loss.divergence, loss.temperature) of the online arms
@@ -159,6 +166,18 @@ def mix_finalist(lines: dict, chosen: tuple) -> tuple[bool, tuple | None]:
   return True, (None if best == chosen[0] else (best, lr))
 
 
+def best_final(lines: dict) -> tuple | None:
+  """(the distilled recipe with the lowest two-seed mean final CE, its lr); None before one
+  recipe's two seeds ran."""
+  finals = {}
+  for a in lines.values():
+    r = recipe(a)
+    if a["phase"] == "final" and a["data"] == "real" and r is not None and r[0] != "hard":
+      finals.setdefault((r, a["lr"]), []).append(a["ce"])
+  means = {k: np.mean(v) for k, v in finals.items() if len(v) == 2}
+  return min(means, key=means.get) if means else None
+
+
 def corrected_lead(lines: dict) -> tuple | None:
   """The corrected teacher's recipe (of CORRECTED) with the lower seed-0 CE, once both ran."""
   ces = {}
@@ -173,9 +192,11 @@ def corrected_lead(lines: dict) -> tuple | None:
 
 
 def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
-             correct: bool = True, longer: bool = True) -> tuple[list[dict], bool]:
+             correct: bool = True, longer: bool = True, long: bool = True,
+             caches: bool = True) -> tuple[list[dict], bool]:
   """(arms runnable now, in priority order; whether more will become runnable later). scale:
-  every token count times this (a smoke test's); control, correct, longer: run those phases."""
+  every token count times this (a smoke test's); control, correct, longer, long: run those
+  phases; caches False: no arm that reads a cache (`tail`) is runnable."""
   screen, final_tokens = int(SCREEN * scale), int(FINAL * scale)
   todo = [arm(o, ce, lr, 0, screen, "screen") for lr in LRS for o, ce in OBJECTIVES]
   later = False
@@ -220,7 +241,11 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
                       teacher="corrected"))
   elif correct:
     later = True
+  # open: whether this launch may still schedule finals (decisions that wait on `tail` arms
+  # count only where caches can be read)
+  open_ = hard_lr is None or (lead is None and caches)
   decided, chosen = corrected_finalist(lines)
+  open_ |= caches and not decided
   if correct:
     later |= not decided
     if chosen is not None:
@@ -232,6 +257,7 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
                for s in (0, 1)]
       decided, mixed = mix_finalist(lines, chosen)
       later |= not decided
+      open_ |= caches and not decided
       if mixed is not None:
         (o2, ce2, _), lr2 = mixed
         todo += [arm(o2, ce2, lr2, s, final_tokens, "final", teacher="corrected")
@@ -245,11 +271,22 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
         todo += [arm(o2, ce2, lr, s, screen, "longer", teacher="corrected_long") for s in (0, 1)]
         got = seed_ces(lines, (o2, ce2, "corrected_long"), lr)
         later |= len(got) < 2
+        open_ |= len(got) < 2 and (caches or o2 != "tail")
         if len(got) == 2 and np.mean(got) < bar:
           todo += [arm(o2, ce2, lr, s, final_tokens, "final", teacher="corrected_long")
                    for s in (0, 1)]
   elif longer:
-    later = True
+    later = open_ = True
+  if long:
+    open_ |= any(a["phase"] == "final" and arm_name(a) not in lines
+                 and (caches or a["objective"] != "tail") for a in todo)
+    best = best_final(lines)
+    later |= open_ or best is None
+    if not open_ and best is not None:
+      (o, ce, teacher), lr = best
+      tokens = final_tokens * LONG
+      todo += [arm("hard", 0.0, hard_lr, 0, tokens, "long"),
+               arm(o, ce, lr, 0, tokens, "long", teacher=teacher)]
   if lead is not None and hard_lr is not None:
     (o, ce, _), lr = lead
     wide = [arm("hard", 0.0, hard_lr, s, screen, "wide", student="64M") for s in (0, 1)]
@@ -264,6 +301,7 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
     todo += wide[1::2]
   todo += [arm(o, ce, lr, 0, screen, "screen") for lr in LAST_LRS for o, ce in OBJECTIVES]
   todo += seed1[len(first):]
+  todo = [a for a in todo if caches or a["objective"] != "tail"]
   return [a for a in todo if arm_name(a) not in lines], later
 
 

@@ -164,9 +164,8 @@ def worker(args):
         and not plan.prep_done(args.root, "sampled_ids") and claim(args, "prep_sampled_ids")):
       run_prep(args.root, "sampled_ids", args.variant, args.eval_rows)
     todo, later = plan.schedule(base.read_results(args.results), args.root, args.scale,
-                           control=bool(args.sample_tokens), correct=args.correct,
-                           longer=args.longer)
-    todo = [a for a in todo if args.caches or a["objective"] != "tail"]
+                                control=bool(args.sample_tokens), correct=args.correct,
+                                longer=args.longer, long=args.long, caches=args.caches)
     a = next((a for a in todo if claim(args, plan.arm_name(a))), None)
     if a is None and not (later and args.caches):
       return
@@ -221,6 +220,8 @@ def main():
                       help="skip the corrected teacher's phase")
   parser.add_argument("--no-longer", dest="longer", action="store_false",
                       help="skip the longer correction's phase")
+  parser.add_argument("--no-long", dest="long", action="store_false",
+                      help="skip the long runs (hard labels and the best final at 200M tokens)")
   parser.add_argument("--no-caches", dest="caches", action="store_false",
                       help="write no cache (the data and the corrected teacher only) and run only "
                            "the arms that read none")
