@@ -50,12 +50,14 @@ def test_finals_of_hard_labels_and_the_leader_come_first(tmp_path):
 
 def test_a_better_corrected_teacher_gets_finals_and_every_phase_ends(tmp_path):
   root = str(tmp_path)
-  for which in ("sampled_ids", "corrected", "corrected_long"):
+  for which in ("sampled_ids", "corrected", "corrected_long", "corrected_longest"):
     done(root, which)
   for better, expect in ((0.2, True), (-0.2, False)):
     lines = {}
-    def ce(a, better=better):  # the longer correction helps online a little more
-      gain = {"corrected": better, "corrected_long": better + 0.1 * (a["objective"] == "online")}
+    def ce(a, better=better):  # the longer corrections help online a little more
+      online = a["objective"] == "online"
+      gain = {"corrected": better, "corrected_long": better + 0.1 * online,
+              "corrected_longest": better + 0.12 * online}
       return screen_ce(a) - gain.get(a["teacher"], 0.0)
     order = run_all(lines, root, ce)
     corrected_finals = [n for n in order if n.startswith("corrected_") and "50.1M" in n]
@@ -73,6 +75,11 @@ def test_a_better_corrected_teacher_gets_finals_and_every_phase_ends(tmp_path):
         ("online_ce0.5", "12.6M"), ("online_ce0.5", "50.1M"), ("tail_ce0.5", "12.6M"))
         for s in (0, 1)]
     assert longer == (sorted(want) if expect else []), longer
+    # The 9x correction: the 3x one's finalists (here online) screened on it, then finals.
+    longest = sorted(n for n in order if n.startswith("corrected_longest_"))
+    want = [f"corrected_longest_online_ce0.5_lr0.003_{t}_seed{s}" for t in ("12.6M", "50.1M")
+            for s in (0, 1)]
+    assert longest == (sorted(want) if expect else []), longest
     # The long runs, once every final ran: hard labels and the best final's recipe at 200M.
     best = "corrected_tail_ce2" if expect else "tail_ce0.5"  # CE weight 2: the lowest CE here
     long_runs = [n for n in order if "_200M_" in n]
@@ -110,13 +117,16 @@ def test_arm_config_sets_the_student_and_divergence(tmp_path):
                                           teacher="corrected"), "smoke")
   assert os.path.realpath(os.path.join(m.workdir, "teacher")) == os.path.realpath(
       os.path.join(rs.prep_dir(str(tmp_path), "corrected"), "teacher"))
-  # The corrections: the study's steps whatever the config's default; the longer one's steps
-  # and warmup times LONGER, its own teacher.
+  # The corrections: the study's steps whatever the config's default; the longer ones' steps
+  # and warmup times theirs in CORRECTIONS, each its own teacher.
   o = study.arm_config(str(tmp_path), rs.arm("tail", 0.5, 3e-3, 0, 1000, "correct",
                                           teacher="corrected"), "")
   assert (o.pretrain.steps, o.pretrain.warmup_steps) == (40, 4)
   n = study.arm_config(str(tmp_path), rs.arm("online", 0.5, 3e-3, 0, 1000, "final",
                                           teacher="corrected_long"), "")
-  assert (n.pretrain.steps, n.pretrain.warmup_steps) == (40 * rs.LONGER, 4 * rs.LONGER)
+  assert (n.pretrain.steps, n.pretrain.warmup_steps) == (120, 12)
+  m = study.arm_config(str(tmp_path), rs.arm("online", 0.5, 3e-3, 0, 1000, "final",
+                                          teacher="corrected_longest"), "")
+  assert (m.pretrain.steps, m.pretrain.warmup_steps) == (360, 36)
   assert os.path.realpath(os.path.join(n.workdir, "teacher")) == os.path.realpath(
       os.path.join(rs.prep_dir(str(tmp_path), "corrected_long"), "teacher"))

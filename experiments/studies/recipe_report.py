@@ -27,7 +27,8 @@ def recipe_label(r: dict) -> str:
   if r["ce_weight"]:
     name += f" + {r['ce_weight']:g} CE"
   name += {"corrected": " (corrected teacher)",
-           "corrected_long": " (teacher corrected 3x longer)"}.get(r["teacher"], "")
+           "corrected_long": " (teacher corrected 3x longer)",
+           "corrected_longest": " (teacher corrected 9x longer)"}.get(r["teacher"], "")
   return name + (" (64M student)" if r.get("student", "35M") == "64M" else "")
 
 
@@ -53,8 +54,8 @@ def table(lines: list[dict]) -> str:
 def teachers(root: str) -> str:
   """The teachers' own held-out figures (the prep's teacher_eval), where the study's root is."""
   out = []
-  for which in ("prep", "prep_corrected", "prep_corrected_long", "prep_sampled",
-                "prep_sampled_ids"):
+  for which in ("prep", "prep_corrected", "prep_corrected_long", "prep_corrected_longest",
+                "prep_sampled", "prep_sampled_ids"):
     path = os.path.join(root, "study", which, "prep_done.json")
     if os.path.exists(path):
       with open(path) as f:

@@ -36,11 +36,13 @@ priority among those runnable):
           is not that finalist. And MIX_FINALS, `online` + 0.5 CE with the corrected teacher
           beside the step, straight to the finals (screened on the original teacher: forward
           + 0.5 CE led the online arms and beat `tail` + 0.5 CE).
-  longer  the teacher corrected LONGER times as long (120 steps, 15.7M tokens; the same lr and
-          data, warmup a tenth; teacher `corrected_long`): MIX_FINALS and the corrected
-          finalist on it at 12.6M, seeds 0 and 1, at the corrected finalist's lr; finals for
-          each whose two-seed mean beats the corrected finalist's. Does a teacher closer to
-          the data widen the margin?
+  longer  the teacher corrected 3x as long (120 steps, 15.7M tokens; the same lr and data,
+          warmup a tenth; teacher `corrected_long`): MIX_FINALS and the corrected finalist on
+          it at 12.6M, seeds 0 and 1, at the corrected finalist's lr; finals for each whose
+          two-seed mean beats the corrected finalist's. Then 9x as long (360 steps, 47M tokens,
+          about one pass over the train split; `corrected_longest`): each recipe that earned
+          finals on the 3x teacher, screened the same way; finals where its two-seed mean beats
+          its own on the 3x teacher. Does a teacher closer to the data widen the margin?
   long    once no final is left to run or to be decided (without caches: none that needs no
           cache): hard labels and the distilled recipe with the lowest two-seed mean final CE,
           each at its lr, LONG times the finals' tokens (200M: ~3.8 passes over the prep's 52M
@@ -48,8 +50,8 @@ priority among those runnable):
           gap at 12.6M, 50M and 200M tokens, each run on its own schedule: do the two part or
           cross?
 The order among runnable arms: the screen, the finals, the control, seed 1 of hard labels and the
-leader, the corrected teacher, its finals, the mix and its finals, the longer correction's screen
-and finals, the long runs, the wide student, the online divergences, the edge lrs, lr 3e-4, then
+leader, the corrected teacher, its finals, the mix and its finals, the longer corrections' screens
+and finals (3x, then 9x), the long runs, the wide student, the online divergences, the edge lrs, lr 3e-4, then
 seed 1 of the other screen recipes.
 """
 import os
@@ -64,12 +66,12 @@ CONTROL_OBJECTIVES = (("hard", 0.0), ("tail", 0.0), ("online", 0.0))
 CORRECTED = (("tail", 0.0), ("tail", 0.5))  # trained on the corrected teacher's cache
 MIX = (("tail", 1.0), ("tail", 2.0))  # screened on the corrected teacher, after its finals
 MIX_FINALS = (("online", 0.5),)  # on the corrected teacher, to the finals unscreened
-CORRECTIONS = ("corrected", "corrected_long")  # the corrected teachers
+# The corrected teachers: CORRECTED_STEPS (and its warmup) times this.
+CORRECTIONS = {"corrected": 1, "corrected_long": 3, "corrected_longest": 9}
 # The corrected teacher's steps (warmup a tenth; lr and batch configs/smollm2.py's pretrain group):
 # the study's own, so that its results keep their meaning whatever the config defaults to (120
 # since the longer correction won). The smoke variant keeps the config's steps.
 CORRECTED_STEPS = 40
-LONGER = 3  # the longer correction: the corrected teacher's steps (and warmup) times this
 LONG = 4  # the long runs: the finals' tokens times this
 SCREEN, FINAL, CONTROL = 12_582_912, 50_069_504, 4_000_000  # training tokens
 ONLINE = (("forward", 1.0), ("reverse", 1.0), ("skew_forward", 1.0), ("skew_reverse", 1.0),
@@ -192,11 +194,12 @@ def corrected_lead(lines: dict) -> tuple | None:
 
 
 def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
-             correct: bool = True, longer: bool = True, long: bool = True,
-             caches: bool = True) -> tuple[list[dict], bool]:
+             correct: bool = True, longer: bool = True, longest: bool = True,
+             long: bool = True, caches: bool = True) -> tuple[list[dict], bool]:
   """(arms runnable now, in priority order; whether more will become runnable later). scale:
-  every token count times this (a smoke test's); control, correct, longer, long: run those
-  phases; caches False: no arm that reads a cache (`tail`) is runnable."""
+  every token count times this (a smoke test's); control, correct, longer (the 3x correction),
+  longest (the 9x one), long: run those phases; caches False: no arm that reads a cache
+  (`tail`) is runnable."""
   screen, final_tokens = int(SCREEN * scale), int(FINAL * scale)
   todo = [arm(o, ce, lr, 0, screen, "screen") for lr in LRS for o, ce in OBJECTIVES]
   later = False
@@ -277,6 +280,27 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
                    for s in (0, 1)]
   elif longer:
     later = open_ = True
+  if longest and prep_done(root, "corrected_longest"):
+    later |= not decided
+    if chosen is not None:
+      lr = chosen[1]
+      for o2, ce2 in MIX_FINALS + (chosen[0][:2],):
+        bar = seed_ces(lines, (o2, ce2, "corrected_long"), lr)
+        finals = [a for a in lines.values() if a["phase"] == "final"
+                  and recipe(a) == (o2, ce2, "corrected_long")]
+        if len(bar) < 2 or not finals:  # not (yet) a finalist on the 3x teacher
+          open_ |= len(bar) < 2 and (caches or o2 != "tail")
+          continue
+        todo += [arm(o2, ce2, lr, s, screen, "longer", teacher="corrected_longest")
+                 for s in (0, 1)]
+        got = seed_ces(lines, (o2, ce2, "corrected_longest"), lr)
+        later |= len(got) < 2
+        open_ |= len(got) < 2 and (caches or o2 != "tail")
+        if len(got) == 2 and np.mean(got) < np.mean(bar):
+          todo += [arm(o2, ce2, lr, s, final_tokens, "final", teacher="corrected_longest")
+                   for s in (0, 1)]
+  elif longest:
+    later = open_ = True
   if long:
     open_ |= any(a["phase"] == "final" and arm_name(a) not in lines
                  and (caches or a["objective"] != "tail") for a in todo)
@@ -308,7 +332,8 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
 def prep_dir(root: str, which: str) -> str:
   return os.path.join(root, "study", {"original": "prep", "sampled_ids": "prep_sampled_ids",
                                       "corrected": "prep_corrected",
-                                      "corrected_long": "prep_corrected_long"}[which])
+                                      "corrected_long": "prep_corrected_long",
+                                      "corrected_longest": "prep_corrected_longest"}[which])
 
 
 def prep_done(root: str, which: str) -> bool:

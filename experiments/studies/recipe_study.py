@@ -56,7 +56,7 @@ def prep_config(root: str, which: str, variant: str = "", caches: bool = True):
     c.stages = ("pretrain", "cache")  # the original prep's data, linked
     steps, warmup = ((c.pretrain.steps, c.pretrain.warmup_steps) if variant else
                      (plan.CORRECTED_STEPS, plan.CORRECTED_STEPS // 10))
-    times = plan.LONGER if which == "corrected_long" else 1
+    times = plan.CORRECTIONS[which]
     c.pretrain.update(steps=steps * times, warmup_steps=warmup * times)
   if not caches:
     c.stages = tuple(s for s in c.stages if s != "cache")
@@ -165,7 +165,8 @@ def worker(args):
       run_prep(args.root, "sampled_ids", args.variant, args.eval_rows)
     todo, later = plan.schedule(base.read_results(args.results), args.root, args.scale,
                                 control=bool(args.sample_tokens), correct=args.correct,
-                                longer=args.longer, long=args.long, caches=args.caches)
+                                longer=args.longer, longest=args.longest, long=args.long,
+                                caches=args.caches)
     a = next((a for a in todo if claim(args, plan.arm_name(a))), None)
     if a is None and not (later and args.caches):
       return
@@ -203,6 +204,8 @@ def prepare(args):
     run_prep(args.root, "corrected", args.variant, args.eval_rows, args.caches)
   if args.longer and not plan.prep_done(args.root, "corrected_long"):
     run_prep(args.root, "corrected_long", args.variant, args.eval_rows, args.caches)
+  if args.longest and not plan.prep_done(args.root, "corrected_longest"):
+    run_prep(args.root, "corrected_longest", args.variant, args.eval_rows, args.caches)
   return sampler
 
 
@@ -219,7 +222,9 @@ def main():
   parser.add_argument("--no-correct", dest="correct", action="store_false",
                       help="skip the corrected teacher's phase")
   parser.add_argument("--no-longer", dest="longer", action="store_false",
-                      help="skip the longer correction's phase")
+                      help="skip the 3x correction's phase")
+  parser.add_argument("--no-longest", dest="longest", action="store_false",
+                      help="skip the 9x correction's phase")
   parser.add_argument("--no-long", dest="long", action="store_false",
                       help="skip the long runs (hard labels and the best final at 200M tokens)")
   parser.add_argument("--no-caches", dest="caches", action="store_false",
