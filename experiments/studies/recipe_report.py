@@ -69,9 +69,9 @@ def plot(lines: list[dict], png: str, root: str = ""):
   """Training CE over training tokens (lines) and held-out CE (dots), one panel each: the real
   text's final arms (before they ran, the screen's seed 0 at its best lr), the long runs (200M
   tokens), the 12.6M screen's hard labels, best distilled recipes and online arms (lr 3e-3, seed
-  0), and the control on the teacher's own samples at lr 3e-3. Each arm's metrics.jsonl is read under ROOT/study/ (the
-  study's --root) or, without a root, from the workdir its line names; an arm without one is a
-  labelled dot."""
+  0), and the control on the teacher's own samples at lr 3e-3. Each arm's metrics.jsonl is read
+  under ROOT/study/ (the study's --root) or, without a root, from the workdir its line names; an
+  arm without one is a labelled dot."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -117,8 +117,54 @@ def plot(lines: list[dict], png: str, root: str = ""):
   fig.savefig(png, dpi=100)
 
 
+def teacher_ces(root: str) -> dict:
+  """{teacher name: its own held-out CE} of the teachers whose prep finished under ROOT."""
+  from experiments.studies import recipe_schedule as plan
+  out = {}
+  for name in ("original",) + tuple(plan.CORRECTIONS):
+    path = os.path.join(plan.prep_dir(root, name), "prep_done.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        out[name] = json.load(f)["teacher_eval"]["ce"]
+  return out
+
+
+def plot_margin(lines: list[dict], png: str, root: str):
+  """Each distilled final's margin over hard labels (the same seed's hard-label final CE minus
+  its own) against its teacher's held-out CE: one dot a seed, one colour a recipe."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  own = teacher_ces(root)
+  hard = {r["seed"]: r["ce"] for r in lines if r["phase"] == "final" and r["objective"] == "hard"
+          and r["data"] == "real" and r.get("student", "35M") == "35M"}
+  finals = [r for r in lines if r["phase"] == "final" and r["objective"] != "hard"
+            and r["teacher"] in own and r["seed"] in hard]
+  if not finals:
+    return
+  fig, ax = plt.subplots(figsize=(6.5, 4.5))
+  colors = {}
+  for r in sorted(finals, key=lambda r: (r["objective"], r["teacher"], r["seed"])):
+    label = OBJECTIVE_NAMES[r["objective"]] + (f" + {r['ce_weight']:g} CE" if r["ce_weight"]
+                                               else "")
+    color = colors.setdefault(label, f"C{len(colors)}")
+    ax.plot(own[r["teacher"]], hard[r["seed"]] - r["ce"], "o", color=color,
+            label=None if r["seed"] or any(
+                c == label for c in ax.get_legend_handles_labels()[1]) else label)
+  ax.axhline(0.0, color="gray", lw=0.8)
+  ax.axhline(0.05, color="gray", lw=0.8, ls="--", label="the 0.05 nats target")
+  ax.set(xlabel="the teacher's own held-out CE (nats): as shipped, then corrected longer",
+         ylabel="hard labels' CE minus the student's (nats)",
+         title="pruned 35M student, 50M tokens, one dot a seed")
+  ax.invert_xaxis()
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(png, dpi=100)
+
+
 def report(lines: list[dict], results: str, root: str = ""):
   print(table(lines))
   if root:
     print(teachers(root))
+    plot_margin(lines, os.path.splitext(results)[0] + "_margin.png", root)
   plot(lines, os.path.splitext(results)[0] + ".png", root)
