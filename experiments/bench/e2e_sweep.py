@@ -107,6 +107,10 @@ SWEEP = {
     # this entry. No plan compiled first (~170 s at 256K).
     # (configs/256k.py: remat full, moments on the host, mesh.allocator platform, 0.97.)
     "256k": "student --config configs/256k.py --docs 32 --accum 1 --steps 3",
+    # The same with the block's projections in FP8 (configs/256k.py keeps bf16 until this is
+    # measured: the target is >= 16k tokens/s within 135 GiB); "256k" is its baseline.
+    "256k-fp8": "student --config configs/256k.py --docs 32 --accum 1 --steps 3 "
+                "--set student.fp8_matmuls=True",
     # The same in JAX's pool taken whole (no cudaMalloc per buffer), now that host moments never
     # pass through the GPU (2026-12-05): faster than the platform allocator's 20.0 s? (2026-12-05,
     # 513b68b: compile and first step 282 s at 122.3 GiB, then the call's limit: give it ~6 min.)
