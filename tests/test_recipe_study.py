@@ -130,3 +130,24 @@ def test_arm_config_sets_the_student_and_divergence(tmp_path):
   assert (m.pretrain.steps, m.pretrain.warmup_steps) == (360, 36)
   assert os.path.realpath(os.path.join(n.workdir, "teacher")) == os.path.realpath(
       os.path.join(rs.prep_dir(str(tmp_path), "corrected_long"), "teacher"))
+
+
+def test_margin_plot_reads_each_teachers_own_ce(tmp_path):
+  """recipe_margin.png: each distilled final against the same seed's hard-label final, at its
+  teacher's own held-out CE (the prep's teacher_eval); no root, no plot."""
+  from experiments.studies import recipe_report
+  root = str(tmp_path)
+  for which, ce in (("original", 1.9), ("corrected_long", 1.6)):
+    os.makedirs(rs.prep_dir(root, which))
+    with open(os.path.join(rs.prep_dir(root, which), "prep_done.json"), "w") as f:
+      json.dump({"teacher_eval": {"ce": ce}}, f)
+  assert recipe_report.teacher_ces(root) == {"original": 1.9, "corrected_long": 1.6}
+  finals = (("hard", 0.0, "original", 2.17), ("online", 0.5, "corrected_long", 2.13),
+            ("tail", 0.5, "corrected", 2.14))  # the last one's teacher has no prep here: skipped
+  lines = [dict(rs.arm(o, w, 3e-3, s, rs.FINAL, "final", teacher=t), ce=ce)
+           for o, w, t, ce in finals for s in (0, 1)]
+  png = tmp_path / "margin.png"
+  recipe_report.plot_margin(lines, str(png), root)
+  assert png.exists()
+  recipe_report.plot_margin(lines[:2], str(tmp_path / "none.png"), root)  # hard labels alone
+  assert not (tmp_path / "none.png").exists()
