@@ -141,13 +141,14 @@ def test_margin_plot_reads_each_teachers_own_ce(tmp_path):
     os.makedirs(rs.prep_dir(root, which))
     with open(os.path.join(rs.prep_dir(root, which), "prep_done.json"), "w") as f:
       json.dump({"teacher_eval": {"ce": ce}}, f)
-  assert recipe_report.teacher_ces(root) == {"original": 1.9, "corrected_long": 1.6}
+  evals = recipe_report.teacher_evals(root)
+  assert evals == {"prep": {"ce": 1.9}, "prep_corrected_long": {"ce": 1.6}}
   finals = (("hard", 0.0, "original", 2.17), ("online", 0.5, "corrected_long", 2.13),
             ("tail", 0.5, "corrected", 2.14))  # the last one's teacher has no prep here: skipped
   lines = [dict(rs.arm(o, w, 3e-3, s, rs.FINAL, "final", teacher=t), ce=ce)
            for o, w, t, ce in finals for s in (0, 1)]
   png = tmp_path / "margin.png"
-  recipe_report.plot_margin(lines, str(png), root)
+  recipe_report.plot_margin(lines, str(png), evals)
   assert png.exists()
-  recipe_report.plot_margin(lines[:2], str(tmp_path / "none.png"), root)  # hard labels alone
+  recipe_report.plot_margin(lines[:2], str(tmp_path / "none.png"), evals)  # hard labels alone
   assert not (tmp_path / "none.png").exists()

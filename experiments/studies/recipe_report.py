@@ -4,6 +4,8 @@ import os
 
 import numpy as np
 
+from experiments.studies import recipe_schedule as plan
+
 METRICS = (("ce", "CE", 4), ("accuracy", "acc", 4), ("full_kl", "full KL", 4),
            ("top1_agreement", "top-1", 4), ("ece", "ECE", 4), ("exact_match", "next line", 3),
            ("gap", "CE - teacher's", 4), ("outside_top_k", "outside top-100", 4),
@@ -26,9 +28,9 @@ def recipe_label(r: dict) -> str:
     name += f" T {r['temperature']:g}"
   if r["ce_weight"]:
     name += f" + {r['ce_weight']:g} CE"
-  name += {"corrected": " (corrected teacher)",
-           "corrected_long": " (teacher corrected 3x longer)",
-           "corrected_longest": " (teacher corrected 9x longer)"}.get(r["teacher"], "")
+  times = plan.CORRECTIONS.get(r["teacher"])
+  name += ("" if times is None else " (corrected teacher)" if times == 1 else
+           f" (teacher corrected {times}x longer)")
   return name + (" (64M student)" if r.get("student", "35M") == "64M" else "")
 
 
@@ -51,18 +53,30 @@ def table(lines: list[dict]) -> str:
   return "\n".join(out)
 
 
-def teachers(root: str) -> str:
-  """The teachers' own held-out figures (the prep's teacher_eval), where the study's root is."""
-  out = []
-  for which in ("prep", "prep_corrected", "prep_corrected_long", "prep_corrected_longest",
-                "prep_sampled", "prep_sampled_ids"):
+# The prep folders whose teacher a report names (prep_sampled: the control's text before it was
+# written as token ids).
+PREPS = ("prep", "prep_corrected", "prep_corrected_long", "prep_corrected_longest",
+         "prep_sampled", "prep_sampled_ids")
+
+
+def teacher_evals(root: str) -> dict:
+  """{prep folder: its teacher's own held-out figures (its prep_done.json's teacher_eval)} of the
+  preps that finished under ROOT (the study's --root)."""
+  out = {}
+  for which in PREPS:
     path = os.path.join(root, "study", which, "prep_done.json")
     if os.path.exists(path):
       with open(path) as f:
-        own = json.load(f)["teacher_eval"]
-      figures = "  ".join(f"{label} {own[m]:.{d}f}" for m, label, d in METRICS if m in own)
-      out.append(f"teacher ({which}): {figures}")
-  return "\n".join(out)
+        out[which] = json.load(f)["teacher_eval"]
+  return out
+
+
+def teachers(evals: dict) -> str:
+  """The teachers' own held-out figures, a line each."""
+  return "\n".join(
+      f"teacher ({which}): " + "  ".join(f"{label} {own[m]:.{d}f}" for m, label, d in METRICS
+                                        if m in own)
+      for which, own in evals.items())
 
 
 def plot(lines: list[dict], png: str, root: str = ""):
@@ -117,25 +131,15 @@ def plot(lines: list[dict], png: str, root: str = ""):
   fig.savefig(png, dpi=100)
 
 
-def teacher_ces(root: str) -> dict:
-  """{teacher name: its own held-out CE} of the teachers whose prep finished under ROOT."""
-  from experiments.studies import recipe_schedule as plan
-  out = {}
-  for name in ("original",) + tuple(plan.CORRECTIONS):
-    path = os.path.join(plan.prep_dir(root, name), "prep_done.json")
-    if os.path.exists(path):
-      with open(path) as f:
-        out[name] = json.load(f)["teacher_eval"]["ce"]
-  return out
-
-
-def plot_margin(lines: list[dict], png: str, root: str):
+def plot_margin(lines: list[dict], png: str, evals: dict):
   """Each distilled final's margin over hard labels (the same seed's hard-label final CE minus
-  its own) against its teacher's held-out CE: one dot a seed, one colour a recipe."""
+  its own) against its teacher's held-out CE (evals: teacher_evals): one dot a seed, one colour
+  a recipe."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  own = teacher_ces(root)
+  own = {name: evals[folder]["ce"] for name in ("original",) + tuple(plan.CORRECTIONS)
+         if (folder := os.path.basename(plan.prep_dir("", name))) in evals}
   hard = {r["seed"]: r["ce"] for r in lines if r["phase"] == "final" and r["objective"] == "hard"
           and r["data"] == "real" and r.get("student", "35M") == "35M"}
   finals = [r for r in lines if r["phase"] == "final" and r["objective"] != "hard"
@@ -145,12 +149,11 @@ def plot_margin(lines: list[dict], png: str, root: str):
   fig, ax = plt.subplots(figsize=(6.5, 4.5))
   colors = {}
   for r in sorted(finals, key=lambda r: (r["objective"], r["teacher"], r["seed"])):
-    label = OBJECTIVE_NAMES[r["objective"]] + (f" + {r['ce_weight']:g} CE" if r["ce_weight"]
-                                               else "")
+    label = recipe_label({**r, "teacher": "original"})  # the recipe; the teacher is the x axis
+    new = label not in colors
     color = colors.setdefault(label, f"C{len(colors)}")
     ax.plot(own[r["teacher"]], hard[r["seed"]] - r["ce"], "o", color=color,
-            label=None if r["seed"] or any(
-                c == label for c in ax.get_legend_handles_labels()[1]) else label)
+            label=label if new else None)
   ax.axhline(0.0, color="gray", lw=0.8)
   ax.axhline(0.05, color="gray", lw=0.8, ls="--", label="the 0.05 nats target")
   ax.set(xlabel="the teacher's own held-out CE (nats): as shipped, then corrected longer",
@@ -165,6 +168,7 @@ def plot_margin(lines: list[dict], png: str, root: str):
 def report(lines: list[dict], results: str, root: str = ""):
   print(table(lines))
   if root:
-    print(teachers(root))
-    plot_margin(lines, os.path.splitext(results)[0] + "_margin.png", root)
+    evals = teacher_evals(root)
+    print(teachers(evals))
+    plot_margin(lines, os.path.splitext(results)[0] + "_margin.png", evals)
   plot(lines, os.path.splitext(results)[0] + ".png", root)

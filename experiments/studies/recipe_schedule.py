@@ -193,6 +193,22 @@ def corrected_lead(lines: dict) -> tuple | None:
   return min(ces, key=ces.get)
 
 
+def longer_rung(lines: dict, todo: list, teacher: str, lr: float, bars: dict, screen: int,
+                final_tokens: int, caches: bool) -> tuple[bool, bool]:
+  """Appends to todo each recipe of bars ({(objective, ce weight): the two-seed mean screen CE to
+  beat}) screened on `teacher` at lr, seeds 0 and 1, and its finals where its own mean beats
+  its bar. (later: a screen is left to run; open: one that can run in this launch)."""
+  later = open_ = False
+  for (o, ce), bar in bars.items():
+    todo += [arm(o, ce, lr, s, screen, "longer", teacher=teacher) for s in (0, 1)]
+    got = seed_ces(lines, (o, ce, teacher), lr)
+    later |= len(got) < 2
+    open_ |= len(got) < 2 and (caches or o != "tail")
+    if len(got) == 2 and np.mean(got) < bar:
+      todo += [arm(o, ce, lr, s, final_tokens, "final", teacher=teacher) for s in (0, 1)]
+  return later, open_
+
+
 def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
              correct: bool = True, longer: bool = True, longest: bool = True,
              long: bool = True, caches: bool = True) -> tuple[list[dict], bool]:
@@ -267,38 +283,28 @@ def schedule(lines: dict, root: str, scale: float = 1.0, control: bool = True,
                  for s in (0, 1)]
   if longer and prep_done(root, "corrected_long"):
     later |= not decided
-    if chosen is not None:
-      (o, ce, _), lr = chosen
-      bar = np.mean(seed_ces(lines, *chosen))  # the corrected finalist's two-seed screen mean
-      for o2, ce2 in MIX_FINALS + ((o, ce),):
-        todo += [arm(o2, ce2, lr, s, screen, "longer", teacher="corrected_long") for s in (0, 1)]
-        got = seed_ces(lines, (o2, ce2, "corrected_long"), lr)
-        later |= len(got) < 2
-        open_ |= len(got) < 2 and (caches or o2 != "tail")
-        if len(got) == 2 and np.mean(got) < bar:
-          todo += [arm(o2, ce2, lr, s, final_tokens, "final", teacher="corrected_long")
-                   for s in (0, 1)]
+    if chosen is not None:  # each beside the corrected finalist's two-seed screen mean
+      bar = np.mean(seed_ces(lines, *chosen))
+      bars = {r: bar for r in MIX_FINALS + (chosen[0][:2],)}
+      rung = longer_rung(lines, todo, "corrected_long", chosen[1], bars, screen, final_tokens,
+                         caches)
+      later, open_ = later or rung[0], open_ or rung[1]
   elif longer:
     later = open_ = True
   if longest and prep_done(root, "corrected_longest"):
     later |= not decided
-    if chosen is not None:
-      lr = chosen[1]
-      for o2, ce2 in MIX_FINALS + (chosen[0][:2],):
-        bar = seed_ces(lines, (o2, ce2, "corrected_long"), lr)
-        finals = [a for a in lines.values() if a["phase"] == "final"
-                  and recipe(a) == (o2, ce2, "corrected_long")]
-        if len(bar) < 2 or not finals:  # not (yet) a finalist on the 3x teacher
-          open_ |= len(bar) < 2 and (caches or o2 != "tail")
-          continue
-        todo += [arm(o2, ce2, lr, s, screen, "longer", teacher="corrected_longest")
-                 for s in (0, 1)]
-        got = seed_ces(lines, (o2, ce2, "corrected_longest"), lr)
-        later |= len(got) < 2
-        open_ |= len(got) < 2 and (caches or o2 != "tail")
-        if len(got) == 2 and np.mean(got) < np.mean(bar):
-          todo += [arm(o2, ce2, lr, s, final_tokens, "final", teacher="corrected_longest")
-                   for s in (0, 1)]
+    if chosen is not None:  # the 3x teacher's finalists, each beside its own 3x screen mean
+      lr, bars = chosen[1], {}
+      for r in MIX_FINALS + (chosen[0][:2],):
+        got = seed_ces(lines, r + ("corrected_long",), lr)
+        finalist = any(a["phase"] == "final" and recipe(a) == r + ("corrected_long",)
+                       for a in lines.values())
+        if len(got) == 2 and finalist:
+          bars[r] = np.mean(got)
+        open_ |= len(got) < 2 and (caches or r[0] != "tail")  # not decided yet
+      rung = longer_rung(lines, todo, "corrected_longest", lr, bars, screen, final_tokens,
+                         caches)
+      later, open_ = later or rung[0], open_ or rung[1]
   elif longest:
     later = open_ = True
   if long:
