@@ -13,7 +13,8 @@ original teacher run online: CE on the true tokens, next-token accuracy, full-vo
 (teacher || student), top-1 agreement, ECE; and next-line completion (kdjax/completion.py:
 exact match of the greedy continuation on held-out lines); the teacher's CE on the same tokens
 and the CE split by whether the true token is in the teacher's top 100 (what a top-k cache
-teaches of it). One JSON line per arm in --results.
+teaches of it). One JSON line per arm in --results, and one per prep with its teacher's own
+figures (`prep`: which teacher, `pretrain_steps`: its correction's steps).
 """
 import argparse
 import json
@@ -80,7 +81,10 @@ def completion_questions(root: str, variant: str) -> tuple[dict, object]:
   return prompts, tok.decode
 
 
-def run_prep(root: str, which: str, variant: str, eval_rows: int, caches: bool = True):
+def run_prep(root: str, which: str, variant: str, eval_rows: int, caches: bool = True,
+             results: str = ""):
+  """The prep `which` (its data, corrected teacher, cache), then its teacher's own held-out
+  figures: in its prep_done.json, and with results a line there too (no "init": not an arm)."""
   c = prep_config(root, which, variant, caches)
   if which in plan.CORRECTIONS:
     link(os.path.join(plan.prep_dir(root, "original"), "data"), os.path.join(c.workdir, "data"))
@@ -92,8 +96,14 @@ def run_prep(root: str, which: str, variant: str, eval_rows: int, caches: bool =
                                  batch_size=c.eval.batch_size, max_seqs=eval_rows)
   if which != "sampled_ids":  # the teacher's own answers to the real text's completion questions
     own["exact_match"] = completion.exact_match(teacher, *completion_questions(root, variant))
+  seconds = time.perf_counter() - start
+  if results:
+    base.append(results, dict(
+        own, prep=which, pretrain_steps=c.pretrain.steps if which in plan.CORRECTIONS else 0,
+        seconds=seconds, commit=base.e2e_bench.commit(), device=jax.devices()[0].device_kind,
+        date=base.e2e_bench.today()))
   with open(os.path.join(c.workdir, "prep_done.json"), "w") as f:
-    json.dump({"seconds": time.perf_counter() - start, "teacher_eval": own}, f)
+    json.dump({"seconds": seconds, "teacher_eval": own}, f)
 
 
 def arm_config(root: str, a: dict, variant: str):
@@ -162,7 +172,7 @@ def worker(args):
     # The sampled text's data and cache, once: a serial job, once the sampler finished.
     if (args.sample_tokens and os.path.exists(os.path.join(args.root, SAMPLED, "eval.jsonl"))
         and not plan.prep_done(args.root, "sampled_ids") and claim(args, "prep_sampled_ids")):
-      run_prep(args.root, "sampled_ids", args.variant, args.eval_rows)
+      run_prep(args.root, "sampled_ids", args.variant, args.eval_rows, results=args.results)
     todo, later = plan.schedule(base.read_results(args.results), args.root, args.scale,
                                 control=bool(args.sample_tokens), correct=args.correct,
                                 longer=args.longer, longest=args.longest, long=args.long,
@@ -196,16 +206,13 @@ def prepare(args):
          "--train-tokens", str(int(args.sample_tokens * args.scale) or 1), "--eval-tokens",
          str(int(args.sample_tokens * args.scale) // 13 or 1), "--batch-size",
          str(args.sample_batch), "--new-tokens", str(args.sample_length)])
-  if not plan.prep_done(args.root, "original"):
-    run_prep(args.root, "original", args.variant, args.eval_rows, args.caches)
-  # Here, before the workers: training the 135M teacher needs more of the GPU than a worker's
-  # share (1/N of it; it ran out of memory at 1/5 of an H100).
-  if args.correct and not plan.prep_done(args.root, "corrected"):
-    run_prep(args.root, "corrected", args.variant, args.eval_rows, args.caches)
-  if args.longer and not plan.prep_done(args.root, "corrected_long"):
-    run_prep(args.root, "corrected_long", args.variant, args.eval_rows, args.caches)
-  if args.longest and not plan.prep_done(args.root, "corrected_longest"):
-    run_prep(args.root, "corrected_longest", args.variant, args.eval_rows, args.caches)
+  # The original first; then, before the workers, each correction that runs: training the 135M
+  # teacher needs more of the GPU than a worker's share (1/N of it; it ran out of memory at 1/5
+  # of an H100).
+  wanted = {"original": True, "corrected": args.correct, "corrected_long": args.longer,
+            "corrected_longest": args.longest}
+  for which in [w for w, on in wanted.items() if on and not plan.prep_done(args.root, w)]:
+    run_prep(args.root, which, args.variant, args.eval_rows, args.caches, args.results)
   return sampler
 
 
